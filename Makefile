@@ -1,0 +1,51 @@
+# rankguard: the two commands that matter are `make demo` (run the product locally) and
+# `make test` (everything CI runs). Both install what they need on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install testbin lint typecheck unit cluster e2e test demo demo-down bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)  ## the Python package with its test extras, in .venv
+
+testbin:  ## etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm (cached outside the repo)
+	@bash hack/testbin/build.sh >/dev/null
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/pytest tests/unit -q $(PYTEST_ARGS)
+
+cluster: install testbin
+	$(BIN)/pytest tests/cluster -q $(PYTEST_ARGS)
+
+e2e: install testbin
+	$(BIN)/pytest tests/e2e -q $(PYTEST_ARGS)
+
+test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e (gpu tests skip without a GPU)
+	$(BIN)/pytest tests -q -ra $(PYTEST_ARGS)
+
+demo: install testbin  ## the local demo: control plane + process kubelet + operator + a Llama-3-70B TP4 service
+	$(BIN)/python -m rankguard_sim demo up
+
+demo-down:  ## stop everything `make demo` started
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m rankguard_sim demo down; fi
+
+bench: install testbin
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

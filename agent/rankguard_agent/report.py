@@ -1,0 +1,217 @@
+"""The agent's `/report` document: the one contract between the agent and the operator.
+
+The agent builds it with `Report.to_json()`; the operator parses untrusted bytes with
+`parse_report()`, which either returns a fully validated `Report` or raises `ReportError`.
+Anything malformed is "no data" for the operator, never a reason to act (DESIGN §5).
+
+Standard library only: this module runs inside the vLLM container and inside the operator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_VERSION = 1
+# A TP-64 report with KV lines is ~20 KiB; anything far beyond that is hostile or broken.
+MAX_REPORT_BYTES = 256 * 1024
+MAX_RANKS = 64
+MAX_TEXT = 1024
+# Largest believable GPU memory figure (1 PiB); bigger numbers are garbage, not GPUs.
+MAX_BYTES = 1 << 50
+
+
+class ReportError(ValueError):
+    """The document is not a valid agent report. The message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's memory as NVML (or the simulated GPU) reports it."""
+
+    rank: int
+    uuid: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    min_free_bytes: int  # minimum free over the last `window_seconds`: transient peaks are short
+    window_seconds: float
+    error: str | None = None  # e.g. "GpuIsLost": the figures are then the last good ones, or 0
+
+
+@dataclass(frozen=True)
+class ProbeRank:
+    """Per-rank result of the startup probe (free memory around NCCL/communicator init)."""
+
+    rank: int
+    free_before_bytes: int
+    free_after_bytes: int
+    comm_bytes: int  # memory the communicator took: the rank's NCCL + context cost
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    backend: str  # "nccl" or "gloo"
+    world_size: int
+    ranks: list[ProbeRank] = field(default_factory=list)
+    error: str | None = None
+    duration_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVLine:
+    """The last vLLM KV-cache line recognised in the engine's output."""
+
+    kind: str  # "available_kv_memory" | "kv_cache_tokens" | "max_concurrency" | "kv_too_small"
+    text: str
+    value: float
+    timestamp: float
+
+
+@dataclass(frozen=True)
+class Report:
+    version: int
+    agent_version: str
+    timestamp: float
+    ranks: list[RankSample]
+    probe: ProbeResult | None = None
+    kv_lines: list[KVLine] = field(default_factory=list)
+    sampler_ok: bool = True
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def _obj(doc: Any, where: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise ReportError(f"{where}: expected an object, got {type(doc).__name__}")
+    return doc
+
+
+def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
+    v = doc.get(key)
+    # bool is an int in Python; a report saying `true` bytes is broken.
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ReportError(f"{where}.{key}: expected an integer, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise ReportError(f"{where}.{key}: {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _num(doc: dict[str, Any], key: str, where: str, lo: float = 0.0, hi: float = 1e12) -> float:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ReportError(f"{where}.{key}: expected a finite number, got {v!r:.40}")
+    if not lo <= v <= hi:
+        raise ReportError(f"{where}.{key}: {v} is outside [{lo}, {hi}]")
+    return float(v)
+
+
+def _str(doc: dict[str, Any], key: str, where: str, optional: bool = False) -> str | None:
+    v = doc.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise ReportError(f"{where}.{key}: expected a string, got {v!r:.40}")
+    if len(v) > MAX_TEXT:
+        raise ReportError(f"{where}.{key}: longer than {MAX_TEXT} characters")
+    return v
+
+
+def _list(doc: dict[str, Any], key: str, where: str, limit: int) -> list[Any]:
+    v = doc.get(key, [])
+    if not isinstance(v, list):
+        raise ReportError(f"{where}.{key}: expected a list")
+    if len(v) > limit:
+        raise ReportError(f"{where}.{key}: more than {limit} entries")
+    return v
+
+
+def _rank(doc: Any, where: str) -> RankSample:
+    d = _obj(doc, where)
+    s = RankSample(
+        rank=_int(d, "rank", where, 0, MAX_RANKS - 1),
+        uuid=_str(d, "uuid", where) or "",
+        total_bytes=_int(d, "total_bytes", where),
+        used_bytes=_int(d, "used_bytes", where),
+        free_bytes=_int(d, "free_bytes", where),
+        min_free_bytes=_int(d, "min_free_bytes", where),
+        window_seconds=_num(d, "window_seconds", where, 0.0, 86400.0),
+        error=_str(d, "error", where, optional=True),
+    )
+    if s.error is None and (s.free_bytes > s.total_bytes or s.min_free_bytes > s.free_bytes):
+        raise ReportError(f"{where}: free/min_free exceed total/free ({s.free_bytes}, {s.min_free_bytes})")
+    return s
+
+
+def _probe(doc: Any) -> ProbeResult | None:
+    if doc is None:
+        return None
+    d = _obj(doc, "probe")
+    ranks = []
+    for i, r in enumerate(_list(d, "ranks", "probe", MAX_RANKS)):
+        w = f"probe.ranks[{i}]"
+        rd = _obj(r, w)
+        ranks.append(
+            ProbeRank(
+                rank=_int(rd, "rank", w, 0, MAX_RANKS - 1),
+                free_before_bytes=_int(rd, "free_before_bytes", w),
+                free_after_bytes=_int(rd, "free_after_bytes", w),
+                comm_bytes=_int(rd, "comm_bytes", w, -MAX_BYTES),
+                error=_str(rd, "error", w, optional=True),
+            )
+        )
+    ok = d.get("ok")
+    if not isinstance(ok, bool):
+        raise ReportError("probe.ok: expected true or false")
+    return ProbeResult(
+        ok=ok,
+        backend=_str(d, "backend", "probe") or "",
+        world_size=_int(d, "world_size", "probe", 0, MAX_RANKS),
+        ranks=ranks,
+        error=_str(d, "error", "probe", optional=True),
+        duration_seconds=_num(d, "duration_seconds", "probe", 0.0, 86400.0),
+    )
+
+
+def _kv(doc: Any, where: str) -> KVLine:
+    d = _obj(doc, where)
+    return KVLine(
+        kind=_str(d, "kind", where) or "",
+        text=_str(d, "text", where) or "",
+        value=_num(d, "value", where, -1e18, 1e18),
+        timestamp=_num(d, "timestamp", where),
+    )
+
+
+def parse_report(raw: bytes) -> Report:
+    """Validate untrusted bytes from an agent. Raises ReportError with a precise reason."""
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ReportError(f"report is {len(raw)} bytes, over the {MAX_REPORT_BYTES}-byte limit")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ReportError(f"report is not UTF-8 JSON: {e}") from None
+    d = _obj(doc, "report")
+    version = _int(d, "version", "report", 0, 1000)
+    if version != REPORT_VERSION:
+        raise ReportError(f"report.version {version} is not supported (this operator reads {REPORT_VERSION})")
+    ranks = [_rank(r, f"report.ranks[{i}]") for i, r in enumerate(_list(d, "ranks", "report", MAX_RANKS))]
+    if sorted(r.rank for r in ranks) != list(range(len(ranks))):
+        raise ReportError("report.ranks: ranks must be 0..N-1, each once")
+    sampler_ok = d.get("sampler_ok", True)
+    if not isinstance(sampler_ok, bool):
+        raise ReportError("report.sampler_ok: expected true or false")
+    return Report(
+        version=version,
+        agent_version=_str(d, "agent_version", "report") or "",
+        timestamp=_num(d, "timestamp", "report"),
+        ranks=sorted(ranks, key=lambda r: r.rank),
+        probe=_probe(d.get("probe")),
+        kv_lines=[_kv(k, f"report.kv_lines[{i}]") for i, k in enumerate(_list(d, "kv_lines", "report", 16))],
+        sampler_ok=sampler_ok,
+    )

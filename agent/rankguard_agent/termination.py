@@ -1,0 +1,105 @@
+"""The termination message: what the launcher leaves in `/dev/termination-log` when vLLM exits.
+
+The kubelet copies it into `status.containerStatuses[].lastState.terminated.message`, which
+is how the operator learns that rank r ran out of GPU memory, and by how much. The kubelet
+keeps at most 4096 bytes, so `to_json()` guarantees that bound.
+
+Standard library only: it runs inside the vLLM container and inside the operator.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TERMINATION_VERSION = 1
+MAX_TERMINATION_BYTES = 4096  # the kubelet's limit for a termination message
+
+# Reasons the launcher writes. The operator acts on CUDAOutOfMemory and KVCacheTooSmall only.
+CUDA_OOM = "CUDAOutOfMemory"
+KV_CACHE_TOO_SMALL = "KVCacheTooSmall"  # vLLM refused to start: budget below one max-len request
+ENGINE_ERROR = "EngineError"  # non-zero exit with no memory cause recognised
+SIGNALED = "Signaled"  # killed by a signal (SIGTERM on a normal rollout, SIGKILL, ...)
+COMPLETED = "Completed"
+REASONS = (CUDA_OOM, KV_CACHE_TOO_SMALL, ENGINE_ERROR, SIGNALED, COMPLETED)
+
+
+class TerminationError(ValueError):
+    """The text is not a rankguard termination message (it may be a plain log tail)."""
+
+
+@dataclass(frozen=True)
+class TerminationMessage:
+    reason: str
+    exit_code: int
+    rank: int | None = None  # the rank (index in the pod's visible GPUs) that ran out
+    gpu_index: int | None = None  # the device index PyTorch printed
+    requested_bytes: int | None = None
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+    signal: int | None = None
+    last_kv_line: str | None = None
+    detail: str | None = None  # the recognised line, shortened
+    version: int = TERMINATION_VERSION
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        text = json.dumps(doc, separators=(",", ":"))
+        # Shorten free text until it fits the kubelet's limit; the numbers always survive.
+        for key in ("detail", "last_kv_line"):
+            if len(text.encode()) <= MAX_TERMINATION_BYTES:
+                break
+            doc[key] = None
+            text = json.dumps(doc, separators=(",", ":"))
+        return text
+
+
+def _opt_int(doc: dict[str, Any], key: str) -> int | None:
+    v = doc.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TerminationError(f"{key}: expected a non-negative integer, got {v!r:.40}")
+    return v
+
+
+def _opt_str(doc: dict[str, Any], key: str) -> str | None:
+    v = doc.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise TerminationError(f"{key}: expected a string")
+    return v[:1024]
+
+
+def parse_termination_message(text: str | None) -> TerminationMessage:
+    """Parse a container's termination message. Raises TerminationError if it is not ours."""
+    if not text:
+        raise TerminationError("empty termination message")
+    if len(text.encode("utf-8", "replace")) > MAX_TERMINATION_BYTES:
+        raise TerminationError("termination message over 4096 bytes")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TerminationError(f"not JSON (a log tail?): {e}") from None
+    if not isinstance(doc, dict) or doc.get("version") != TERMINATION_VERSION:
+        raise TerminationError("not a rankguard termination message of a known version")
+    reason = doc.get("reason")
+    if reason not in REASONS:
+        raise TerminationError(f"unknown reason {reason!r:.40}")
+    exit_code = doc.get("exit_code")
+    if isinstance(exit_code, bool) or not isinstance(exit_code, int):
+        raise TerminationError("exit_code: expected an integer")
+    return TerminationMessage(
+        reason=reason,
+        exit_code=exit_code,
+        rank=_opt_int(doc, "rank"),
+        gpu_index=_opt_int(doc, "gpu_index"),
+        requested_bytes=_opt_int(doc, "requested_bytes"),
+        free_bytes=_opt_int(doc, "free_bytes"),
+        total_bytes=_opt_int(doc, "total_bytes"),
+        signal=_opt_int(doc, "signal"),
+        last_kv_line=_opt_str(doc, "last_kv_line"),
+        detail=_opt_str(doc, "detail"),
+    )

@@ -1,0 +1,82 @@
+"""Shared fixtures: one real control plane per test session, a fresh namespace per test.
+
+Cluster tests are marked `cluster` (or `e2e`); the control plane starts only when such a
+test runs, so `pytest tests/unit` never needs the binaries.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from rankguard_sim.cluster import ControlPlane
+
+REPO = Path(__file__).resolve().parents[1]
+CRD_FILE = REPO / "crds" / "llmservice.yaml"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    cp = ControlPlane.start(tmp_path_factory.mktemp("control-plane"))
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def api(cluster: ControlPlane) -> Iterator[client.ApiClient]:
+    c = cluster.api_client()
+    assert isinstance(c, client.ApiClient)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: ControlPlane) -> str:
+    """Install the LLMService CRD from crds/ and wait until the API serves it."""
+    cluster.kubectl("apply", "--server-side", "--field-manager=rankguard-tests", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/llmservices.rankguard.io")
+    # Established can precede discovery by a moment; kubectl get must know the resource.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if cluster.kubectl("get", "llmservices", "-A", check=False).returncode == 0:
+            break
+        time.sleep(0.3)
+    return "llmservices.rankguard.io"
+
+
+@pytest.fixture
+def namespace(api: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test, with its default ServiceAccount ready; deleted after."""
+    base = request.node.name.lower().replace("_", "-")
+    name = (
+        f"t-{''.join(ch for ch in base if ch.isalnum() or ch == '-')[:40].strip('-')}-{uuid.uuid4().hex[:5]}"
+    )
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name, "labels": {"rankguard.io/test": "true"}}})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespaced_service_account("default", name)
+            break
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            time.sleep(0.2)
+    try:
+        yield name
+    finally:
+        try:
+            core.delete_namespace(name)
+        except ApiException as e:
+            if e.status != 404:
+                raise
