@@ -1,0 +1,327 @@
+"""The launcher: `python -m rankguard_agent launch [--probe] -- vllm serve …`.
+
+It optionally probes the ranks, starts the sampler and the server, runs the engine as a
+child, passes its stdout and stderr through byte for byte while a copy is scanned line by
+line, forwards signals, and when the child exits writes the termination message and exits
+with the child's code (128 + N when a signal N killed it, as a shell would).
+
+Bad input never takes the engine down: oversized or non-UTF-8 lines are cut or replaced
+for scanning only, an unwritable stdout or termination log is logged once and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS, MAX_SCAN_LINE
+from rankguard_agent.probe import ProbeConfig, run_probe
+from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall, recognise
+from rankguard_agent.report import ProbeResult
+from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
+from rankguard_agent.server import AgentState
+from rankguard_agent.termination import SIGNALED, TerminationMessage
+from rankguard_agent.verdict import decide
+
+log = logging.getLogger("rankguard_agent.launcher")
+
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    command: list[str]
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    termination_log: str = DEFAULT_TERMINATION_LOG
+    probe: ProbeConfig | None = None  # world_size 0: one rank per GPU the backend sees
+    drain_seconds: float = DRAIN_SECONDS
+
+
+class LineScanner:
+    """Cuts a copy of a byte stream into text lines for the recognisers.
+
+    A line longer than `cap` bytes is cut to its first `cap` bytes (the figures rankguard
+    looks for sit at the start of a line); invalid UTF-8 becomes U+FFFD. Neither changes
+    what passes through, which never goes through this class.
+    """
+
+    def __init__(
+        self,
+        on_line: Callable[[str], None],
+        cap: int = MAX_SCAN_LINE,
+        name: str = "output",
+        on_cut: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.on_line = on_line
+        self.on_cut = on_cut
+        self.cap = cap
+        self.name = name
+        self.cut_lines = 0
+        self._buf = bytearray()
+        self._overflow = False
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                self._append(data, start, len(data))
+                return
+            self._append(data, start, nl)
+            self._emit()
+            start = nl + 1
+
+    def close(self) -> None:
+        if self._buf or self._overflow:
+            self._emit()
+
+    def _append(self, data: bytes, start: int, end: int) -> None:
+        room = self.cap - len(self._buf)
+        if end - start > room:
+            self._overflow = True
+            end = start + max(room, 0)
+        if end > start:
+            self._buf += data[start:end]
+
+    def _emit(self) -> None:
+        line = self._buf.decode("utf-8", "replace").rstrip("\r")
+        self._buf = bytearray()
+        if self._overflow:
+            self._overflow = False
+            self.cut_lines += 1
+            if self.on_cut is not None:
+                self.on_cut(self.name, self.cap)
+        try:
+            self.on_line(line)
+        except Exception:  # a recogniser bug must not stop the stream
+            log.exception("%s: scanning a line failed", self.name)
+
+
+class Observer:
+    """Keeps what the engine's lines said: the first memory cause and the last KV line."""
+
+    def __init__(self, state: AgentState | None = None) -> None:
+        self.state = state
+        self.cause: CudaOom | KVTooSmall | None = None
+        self.last_kv: KVObservation | None = None
+
+    def on_line(self, line: str) -> None:
+        found = recognise(line)
+        if found is None:
+            return
+        if isinstance(found, KVObservation):
+            self.last_kv = found
+            if self.state is not None:
+                self.state.record_kv(found.kind, found.text, found.value)
+            return
+        if isinstance(found, KVTooSmall) and self.state is not None:
+            value = found.needed_bytes if found.needed_bytes is not None else (found.max_seq_len or 0)
+            self.state.record_kv("kv_too_small", found.text, float(value))
+        if self.cause is None or (
+            # A bare "CUDA error: out of memory" is a worse witness than a message with figures.
+            isinstance(self.cause, CudaOom)
+            and isinstance(found, CudaOom)
+            and self.cause.requested_bytes is None
+            and found.requested_bytes is not None
+        ):
+            self.cause = found
+            if isinstance(found, CudaOom):
+                log.warning("engine ran out of GPU memory on GPU %s: %.200s", found.gpu_index, found.text)
+            else:
+                log.warning("engine's KV cache is too small: %.200s", found.text)
+
+
+class _Output:
+    """Writes passthrough bytes to one of our own fds, surviving a closed or slow reader."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self.broken = False
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and not self.broken:
+            try:
+                n = os.write(self.fd, view)
+            except BlockingIOError:
+                await asyncio.sleep(0.001)  # our stdout is non-blocking and full: wait a little
+                continue
+            except OSError as e:
+                self.broken = True
+                if e.errno != errno.EPIPE:
+                    log.error("cannot write the engine's %s (%s); still scanning it", self.name, e)
+                return
+            view = view[n:]
+
+
+async def _pump(stream: asyncio.StreamReader, out: _Output, scanner: LineScanner) -> None:
+    while True:
+        data = await stream.read(_CHUNK)
+        if not data:
+            break
+        await out.write(data)
+        scanner.feed(data)
+    scanner.close()
+
+
+async def _exit_of(child: asyncio.subprocess.Process, poll: float = 0.1) -> int:
+    """The child's exit status, as soon as it exits.
+
+    Not `child.wait()`: depending on the Python version and timing, that also waits for
+    the pipes to close (CPython gh-119710), and the engine's own children can hold them
+    open long after it is gone.
+    """
+    while child.returncode is None:  # noqa: ASYNC110 - the watcher sets it; no public event exists
+        await asyncio.sleep(poll)
+    return child.returncode
+
+
+def write_termination_log(path: str, message: TerminationMessage) -> bool:
+    text = message.to_json()
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        log.error("cannot write the termination message to %s (%s); exit code still propagates", path, e)
+        return False
+    return True
+
+
+async def _run_probe(
+    cfg: ProbeConfig, n_ranks: int, env: Mapping[str, str], cancel: threading.Event
+) -> ProbeResult:
+    if cfg.world_size == 0:
+        if n_ranks == 0:
+            return ProbeResult(ok=False, backend="none", world_size=0, error="no GPUs visible to probe")
+        cfg = dataclasses.replace(cfg, world_size=n_ranks)
+    log.info("probing %d rank(s)", cfg.world_size)
+    loop = asyncio.get_running_loop()
+    result = await loop.run_in_executor(None, run_probe, cfg, env, cancel)
+    if result.ok:
+        log.info("probe ok in %.1fs: %s", result.duration_seconds, [r.comm_bytes for r in result.ranks])
+    else:
+        log.error("probe failed: %s", result.error)
+    return result
+
+
+class Launcher:
+    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.env = dict(os.environ if env is None else env)
+        self.child: asyncio.subprocess.Process | None = None
+        self.pending_signals: list[int] = []
+        self.probe_cancel = threading.Event()
+        self.runtime: AgentRuntime | None = None
+        self.observer = Observer()
+        self.cut_warned = False
+
+    def _on_cut(self, stream: str, cap: int) -> None:
+        if not self.cut_warned:
+            self.cut_warned = True
+            log.warning(
+                "engine %s: a line over %d bytes was cut for scanning (passed through whole)", stream, cap
+            )
+
+    def _scanner(self, stream: str) -> LineScanner:
+        return LineScanner(self.observer.on_line, name=stream, on_cut=self._on_cut)
+
+    def _on_signal(self, sig: int) -> None:
+        child = self.child
+        if child is not None and child.returncode is None:
+            log.info("forwarding %s to the engine (pid %d)", signal.Signals(sig).name, child.pid)
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
+        else:
+            # No engine yet: remember the signal, and stop a running probe at once.
+            self.pending_signals.append(sig)
+            self.probe_cancel.set()
+
+    async def run(self) -> int:
+        """Run the whole launcher; returns the exit code the agent should exit with."""
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in FORWARDED_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, self._on_signal, int(sig))
+                installed.append(sig)
+            except (ValueError, RuntimeError, NotImplementedError):
+                continue  # not the main thread (tests): signals stay with their default
+        runtime = self.runtime = AgentRuntime(self.cfg.runtime, self.env)
+        self.observer = Observer(runtime.state)
+        try:
+            if self.cfg.probe is not None:
+                runtime.state.probe = await _run_probe(
+                    self.cfg.probe, runtime.n_ranks(), self.env, self.probe_cancel
+                )
+            await runtime.start()
+            if self.pending_signals:
+                # Told to stop before the engine even started: end as a killed engine would.
+                first = self.pending_signals[0]
+                message = TerminationMessage(
+                    SIGNALED, 128 + first, signal=first, detail="stopped before the engine started"
+                )
+                write_termination_log(self.cfg.termination_log, message)
+                return 128 + first
+            return await self._run_child(runtime)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await runtime.stop()
+
+    async def _run_child(self, runtime: AgentRuntime) -> int:
+        cmd = self.cfg.command
+        try:
+            # A session of its own: a terminal's Ctrl-C reaches the engine once (forwarded), not twice.
+            self.child = child = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=None,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self.env,
+                start_new_session=True,
+            )
+        except OSError as e:
+            code = 127 if isinstance(e, FileNotFoundError) else 126  # what a shell answers
+            log.error("cannot start %s: %s", cmd[0] if cmd else "(nothing)", e)
+            message = decide(code, None, None, runtime.n_ranks(), launch_error=f"cannot start {cmd[:1]}: {e}")
+            write_termination_log(self.cfg.termination_log, message)
+            return code
+        log.info("engine started (pid %d): %.300s", child.pid, " ".join(cmd))
+        assert child.stdout is not None and child.stderr is not None
+        pumps = [
+            asyncio.ensure_future(_pump(child.stdout, _Output(1, "stdout"), self._scanner("stdout"))),
+            asyncio.ensure_future(_pump(child.stderr, _Output(2, "stderr"), self._scanner("stderr"))),
+        ]
+        returncode = await _exit_of(child)
+        # Grandchildren may hold the pipes open after the engine is gone; do not wait forever.
+        _, stuck = await asyncio.wait(pumps, timeout=self.cfg.drain_seconds)
+        for task in stuck:
+            task.cancel()
+        if stuck:
+            log.warning("the engine's output pipes stayed open after it exited; stopped reading them")
+            await asyncio.gather(*stuck, return_exceptions=True)
+        message = decide(returncode, self.observer.cause, self.observer.last_kv, runtime.n_ranks())
+        log.info("engine exited with %d: %s", message.exit_code, message.reason)
+        write_termination_log(self.cfg.termination_log, message)
+        return message.exit_code
+
+
+async def launch(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
+    return await Launcher(cfg, env).run()

@@ -1,0 +1,198 @@
+"""The agent's HTTP API (aiohttp): GET /healthz, GET /report, GET /metrics.
+
+/report is `report.Report` as JSON (the contract the operator parses). /metrics is built
+by prometheus_client from a collector over the same snapshot, on its own registry, so the
+exposition always matches the report and no global state is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rankguard_agent import __version__
+from rankguard_agent.report import MAX_TEXT, REPORT_VERSION, KVLine, ProbeResult, Report
+from rankguard_agent.sampler import Sampler
+
+log = logging.getLogger("rankguard_agent.server")
+
+CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class AgentState:
+    """Everything the endpoints show. Written by the launcher, read by the handlers."""
+
+    sampler: Sampler
+    backend_name: str
+    const_labels: dict[str, str] = field(default_factory=dict)
+    probe: ProbeResult | None = None
+    kv_lines: dict[str, KVLine] = field(default_factory=dict)  # the last line of each kind
+    backend_error: str | None = None  # why there are no readings at all, if so
+
+    def record_kv(self, kind: str, text: str, value: float, timestamp: float | None = None) -> None:
+        self.kv_lines[kind] = KVLine(
+            kind, text[:MAX_TEXT], value, time.time() if timestamp is None else timestamp
+        )
+
+    def last_kv_line(self) -> KVLine | None:
+        return max(self.kv_lines.values(), key=lambda k: k.timestamp, default=None)
+
+    def report(self) -> Report:
+        return Report(
+            version=REPORT_VERSION,
+            agent_version=__version__,
+            timestamp=time.time(),
+            ranks=self.sampler.snapshot(),
+            probe=self.probe,
+            kv_lines=sorted(self.kv_lines.values(), key=lambda k: k.timestamp),
+            sampler_ok=self.backend_error is None and self.sampler.is_up(),
+        )
+
+
+def const_labels_from_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The operator sets these on the pod; they let one Prometheus tell services apart."""
+    labels = {}
+    if env.get("RANKGUARD_LLMSERVICE"):
+        labels["llmservice"] = env["RANKGUARD_LLMSERVICE"]
+    if env.get("POD_NAMESPACE"):
+        labels["namespace"] = env["POD_NAMESPACE"]
+    return labels
+
+
+class AgentCollector(Collector):
+    def __init__(self, state: AgentState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.state
+        extra_names = list(st.const_labels)
+        extra_values = [st.const_labels[k] for k in extra_names]
+        gpu_labels = ["rank", "gpu_uuid", *extra_names]
+
+        def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=gpu_labels if labels is None else labels)
+
+        total = gauge("rankguard_gpu_total_bytes", "GPU memory capacity of the rank's device.")
+        used = gauge(
+            "rankguard_gpu_used_bytes", "GPU memory in use (all processes, driver reserve included)."
+        )
+        free = gauge("rankguard_gpu_free_bytes", "GPU memory free now.")
+        min_free = gauge("rankguard_gpu_min_free_bytes", "Minimum free GPU memory over the sampler's window.")
+        reserved = gauge("rankguard_gpu_reserved_bytes", "GPU memory the driver reserves (NVML v2).")
+        up = gauge("rankguard_gpu_up", "1 if the last reading of the rank's GPU succeeded.")
+        readings = st.sampler.readings()
+        for sample in st.sampler.snapshot():
+            lv = [str(sample.rank), sample.uuid, *extra_values]
+            total.add_metric(lv, sample.total_bytes)
+            used.add_metric(lv, sample.used_bytes)
+            free.add_metric(lv, sample.free_bytes)
+            min_free.add_metric(lv, sample.min_free_bytes)
+            last = readings[sample.rank] if sample.rank < len(readings) else None
+            reserved.add_metric(lv, last.reserved_bytes if last is not None and last.error is None else 0)
+            up.add_metric(lv, 0 if sample.error else 1)
+        yield from (total, used, free, min_free, reserved, up)
+
+        s = st.sampler
+        sampler_up = gauge(
+            "rankguard_agent_sampler_up", "1 if the sampler is running and current.", extra_names
+        )
+        sampler_up.add_metric(extra_values, 1 if st.backend_error is None and s.is_up() else 0)
+        samples = CounterMetricFamily(
+            "rankguard_agent_samples", "Successful per-rank readings.", labels=extra_names
+        )
+        samples.add_metric(extra_values, s.samples_total)
+        errors = CounterMetricFamily(
+            "rankguard_agent_sampler_errors", "Failed per-rank readings.", labels=extra_names
+        )
+        errors.add_metric(extra_values, s.errors_total)
+        age = gauge(
+            "rankguard_agent_sampler_last_sample_age_seconds", "Seconds since the last tick.", extra_names
+        )
+        age.add_metric(extra_values, s.last_sample_age() or 0.0)
+        info = gauge(
+            "rankguard_agent_info",
+            "The agent's version and GPU backend.",
+            ["version", "backend", *extra_names],
+        )
+        info.add_metric([__version__, st.backend_name, *extra_values], 1)
+        yield from (sampler_up, samples, errors, age, info)
+
+        if st.probe is not None:
+            probe_ok = gauge(
+                "rankguard_probe_ok", "1 if the startup probe succeeded on every rank.", extra_names
+            )
+            probe_ok.add_metric(extra_values, 1 if st.probe.ok else 0)
+            after = gauge(
+                "rankguard_probe_free_after_init_bytes",
+                "Free GPU memory after communicator init.",
+                ["rank", *extra_names],
+            )
+            comm = gauge(
+                "rankguard_probe_comm_bytes", "Memory communicator init took.", ["rank", *extra_names]
+            )
+            for r in st.probe.ranks:
+                after.add_metric([str(r.rank), *extra_values], r.free_after_bytes)
+                comm.add_metric([str(r.rank), *extra_values], r.comm_bytes)
+            yield from (probe_ok, after, comm)
+
+
+def build_app(state: AgentState) -> web.Application:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(state))
+
+    async def healthz(_: web.Request) -> web.Response:
+        body = {"status": "ok", "sampler_up": state.sampler.is_up(), "backend": state.backend_name}
+        if state.backend_error:
+            body["backend_error"] = state.backend_error
+        return web.json_response(body)
+
+    async def report(_: web.Request) -> web.Response:
+        return web.Response(body=state.report().to_json(), content_type="application/json")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/report", report)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class AgentServer:
+    """The running site; `port` is the bound one (useful with port 0)."""
+
+    def __init__(self, state: AgentState, host: str, port: int) -> None:
+        self.state = state
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> int:
+        runner = web.AppRunner(build_app(self.state), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.requested_port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        addresses = runner.addresses
+        self.port = int(addresses[0][1]) if addresses else self.requested_port
+        log.info("serving /healthz /report /metrics on http://%s:%s", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,156 @@
+"""The sampler: sliding-window minimum, per-rank errors, and its thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rankguard_agent.gpu import GpuReading, ProcessMemory, RankDevice
+from rankguard_agent.gpu.sim import SimBackend, remove_proc, write_device, write_proc
+from rankguard_agent.sampler import Sampler, WindowMin
+
+GIB = 1 << 30
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    write_device(tmp_path, "GPU-0", index=0, total_bytes=80 * GIB)
+    write_device(tmp_path, "GPU-1", index=1, total_bytes=80 * GIB)
+    return tmp_path
+
+
+def test_window_min_forgets_values_older_than_the_window() -> None:
+    w = WindowMin(10.0)
+    w.push(0.0, 50)
+    w.push(1.0, 70)
+    w.push(2.0, 60)
+    assert w.min() == 50
+    w.evict(10.5)
+    assert w.min() == 60
+    w.evict(100.0)
+    assert w.min() == 60  # the newest value stays: it is the last thing known
+    assert len(w) == 1
+
+
+@given(
+    st.lists(st.tuples(st.floats(0, 5), st.integers(0, 1000)), min_size=1, max_size=200), st.floats(0.5, 30)
+)
+def test_window_min_equals_brute_force(steps: list[tuple[float, int]], window: float) -> None:
+    w = WindowMin(window)
+    t = 0.0
+    history: list[tuple[float, int]] = []
+    for dt, value in steps:
+        t += dt
+        w.push(t, value)
+        history.append((t, value))
+        in_window = [v for (ts, v) in history if ts >= t - window]
+        assert w.min() == min(in_window)
+        assert len(w) <= len(in_window)
+
+
+def test_min_free_catches_a_transient_peak_until_it_leaves_the_window(root: Path) -> None:
+    clock = Clock()
+    s = Sampler(SimBackend(root, {}), hz=10, window_seconds=5, clock=clock)
+    s.sample_once()
+    write_proc(root, "GPU-1", "vllm", 30 * GIB)  # a short peak on rank 1
+    clock.now += 0.1
+    s.sample_once()
+    remove_proc(root, "GPU-1", "vllm")
+    clock.now += 0.1
+    s.sample_once()
+    snap = s.snapshot()
+    assert [r.rank for r in snap] == [0, 1]
+    assert snap[1].free_bytes == 80 * GIB
+    assert snap[1].min_free_bytes == 50 * GIB
+    assert snap[0].min_free_bytes == 80 * GIB
+    assert snap[1].window_seconds == 5
+    clock.now += 6
+    s.sample_once()
+    assert s.snapshot()[1].min_free_bytes == 80 * GIB
+    assert s.samples_total == 8 and s.errors_total == 0
+
+
+def test_lost_gpu_keeps_last_good_figures_and_logs_once(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    s = Sampler(SimBackend(root, {}), window_seconds=5, clock=clock)
+    write_proc(root, "GPU-0", "vllm", 10 * GIB)
+    s.sample_once()
+    write_device(root, "GPU-0", index=0, total_bytes=80 * GIB, lost=True)
+    with caplog.at_level(logging.ERROR, logger="rankguard_agent.sampler"):
+        for _ in range(5):
+            clock.now += 0.1
+            s.sample_once()
+    lost, other = s.snapshot()
+    assert lost.error == "GpuIsLost"
+    assert (lost.free_bytes, lost.used_bytes, lost.total_bytes) == (70 * GIB, 10 * GIB, 80 * GIB)
+    assert other.error is None and other.free_bytes == 80 * GIB
+    assert s.errors_total == 5
+    assert len([r for r in caplog.records if "GpuIsLost" in r.getMessage()]) == 1
+
+
+class ExplodingBackend:
+    """A backend whose rank 1 raises: a bug there must not stop rank 0's readings."""
+
+    name = "exploding"
+
+    def ranks(self) -> list[RankDevice]:
+        return [RankDevice(0, "GPU-0"), RankDevice(1, "GPU-1")]
+
+    def read(self, rank: int) -> GpuReading:
+        if rank == 1:
+            raise RuntimeError("driver said something odd")
+        return GpuReading(0, "GPU-0", 100, 40, 60)
+
+    def processes(self, rank: int) -> list[ProcessMemory]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_raising_backend_becomes_that_ranks_error() -> None:
+    s = Sampler(ExplodingBackend())
+    s.sample_once()
+    ok, broken = s.snapshot()
+    assert ok.error is None and ok.free_bytes == 60
+    assert broken.error is not None and "driver said something odd" in broken.error
+    assert (broken.free_bytes, broken.min_free_bytes) == (0, 0)
+
+
+def test_thread_samples_at_about_the_rate_and_stops(root: Path) -> None:
+    s = Sampler(SimBackend(root, {}), hz=20, window_seconds=5)
+    assert not s.is_up()
+    s.start()
+    try:
+        deadline = time.monotonic() + 5
+        while s.ticks_total < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.is_up()
+        started, t0 = s.ticks_total, time.monotonic()
+        time.sleep(0.5)
+        rate = (s.ticks_total - started) / (time.monotonic() - t0)
+        assert 5 <= rate <= 25  # ~20 Hz, loose for a busy CI machine
+    finally:
+        s.stop()
+    ticks = s.ticks_total
+    time.sleep(0.2)
+    assert s.ticks_total == ticks
+    assert not s.is_up()  # a stopped sampler is not "up", whatever its last tick
+
+
+def test_bad_rates_are_rejected(root: Path) -> None:
+    with pytest.raises(ValueError):
+        Sampler(SimBackend(root, {}), hz=0)
