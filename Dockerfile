@@ -1,0 +1,105 @@
+# rankguard images. Two targets:
+#
+#   docker build --target operator -t ghcr.io/rankguard/operator:0.1.0 .
+#   docker build --target agent    -t ghcr.io/rankguard/agent:0.1.0 .
+#
+# operator: the kopf operator (`python -m rankguard_operator`), configured by RANKGUARD_* env
+#           (the Helm chart sets them).
+# agent:    only the pure-Python agent bundle (rankguard_agent + pynvml from nvidia-ml-py) and
+#           `rankguard-agent-install DEST`, which copies it into DEST. The operator runs it as
+#           the init container of every serving pod, with an emptyDir at DEST; the vLLM
+#           container then runs `python3 -m rankguard_agent launch …` with PYTHONPATH=DEST,
+#           on the vLLM image's own Python (>= 3.10), aiohttp, prometheus_client and PyYAML.
+#
+# Base images are pinned by full version tag here, so a rebuild picks up Debian security
+# fixes of that version. A release build pins by digest as well
+# (python:3.12.12-slim-bookworm@sha256:…, busybox:1.37.0@sha256:…), so the bytes it was tested
+# with are the bytes it ships.
+#
+# Lint: tests/unit/test_chart_static.py runs hadolint on this file.
+
+# --------------------------------------------------------------------------- build stages
+FROM python:3.12.12-slim-bookworm AS python-base
+
+# The operator's virtualenv: the rankguard distribution and its runtime dependencies only
+# (no test extras, no torch). It is copied whole into the final stage, which has the same
+# Python at the same path, so the venv's interpreter links stay valid.
+FROM python-base AS operator-build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator/ operator/
+COPY agent/ agent/
+COPY sim/ sim/
+RUN python -m venv /opt/rankguard/venv \
+    && /opt/rankguard/venv/bin/pip install . \
+    && /opt/rankguard/venv/bin/pip uninstall --yes pip
+
+# The agent bundle: what the serving pod needs on its PYTHONPATH and nothing else.
+# nvidia-ml-py's wheel also ships a top-level `example.py`; it is dropped so that nothing
+# named `example` shadows a module of the vLLM image. No .pyc: the bundle runs on whatever
+# Python the vLLM image has, and writes its own caches into the emptyDir.
+FROM python-base AS agent-build
+ARG NVIDIA_ML_PY_VERSION=13.615.71
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+COPY agent/rankguard_agent/ /bundle/rankguard_agent/
+RUN pip install --no-deps --no-compile --target /bundle "nvidia-ml-py==${NVIDIA_ML_PY_VERSION}" \
+    && rm -f /bundle/example.py \
+    && rm -rf /bundle/bin \
+    && find /bundle -name __pycache__ -prune -exec rm -rf {} + \
+    && chmod -R a+rX,go-w /bundle
+
+# --------------------------------------------------------------------------- operator
+FROM python-base AS operator
+LABEL org.opencontainers.image.title="rankguard operator" \
+      org.opencontainers.image.description="Keeps every tensor-parallel rank of a vLLM deployment out of GPU OOM" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# pip is a build tool: the operator never installs anything at run time.
+RUN python -m pip uninstall --yes pip \
+    && groupadd --system --gid 65532 rankguard \
+    && useradd --system --uid 65532 --gid 65532 --no-log-init --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin rankguard
+COPY --from=operator-build /opt/rankguard/venv /opt/rankguard/venv
+ENV PATH=/opt/rankguard/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# Numeric, so the kubelet can verify runAsNonRoot without reading /etc/passwd.
+USER 65532:65532
+# kopf's /healthz (RANKGUARD_LIVENESS_PORT) and Prometheus /metrics (RANKGUARD_METRICS_PORT).
+EXPOSE 8080 9090
+ENTRYPOINT ["python", "-m", "rankguard_operator"]
+
+# --------------------------------------------------------------------------- agent
+FROM busybox:1.37.0 AS agent
+LABEL org.opencontainers.image.title="rankguard agent" \
+      org.opencontainers.image.description="The rankguard agent bundle, copied into vLLM pods by an init container" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# The bundle lives outside /opt/rankguard/agent on purpose: that is where the serving pod
+# mounts the emptyDir, which would hide anything the image kept there.
+COPY --from=agent-build /bundle /usr/share/rankguard/agent-bundle
+# rankguard-agent-install DEST: copies the bundle into DEST (an emptyDir mounted there).
+# cp -R, not cp -a: the copy belongs to the pod's user, whatever UID the pod runs as.
+# The single quotes are on purpose: "$1" and "$dest" belong to the installed script.
+# hadolint ignore=SC2016
+RUN mkdir -p /usr/local/bin \
+    && printf '%s\n' \
+       '#!/bin/sh' \
+       '# Copies the rankguard agent bundle into DEST (an emptyDir shared with the vLLM container).' \
+       'set -eu' \
+       'if [ "$#" -ne 1 ]; then echo "usage: rankguard-agent-install DEST" >&2; exit 2; fi' \
+       'dest=$1' \
+       'if [ ! -d "$dest" ] || [ ! -w "$dest" ]; then' \
+       '  echo "rankguard-agent-install: $dest is not a writable directory (mount an emptyDir there)" >&2' \
+       '  exit 1' \
+       'fi' \
+       'cp -R /usr/share/rankguard/agent-bundle/. "$dest"/' \
+       'echo "rankguard-agent-install: agent bundle copied into $dest"' \
+       > /usr/local/bin/rankguard-agent-install \
+    && chmod 0755 /usr/local/bin/rankguard-agent-install
+USER 65532:65532
+ENTRYPOINT ["rankguard-agent-install"]
+CMD ["/opt/rankguard/agent"]

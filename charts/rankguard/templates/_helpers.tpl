@@ -1,0 +1,138 @@
+{{/*
+Names. Kubernetes names are at most 63 characters for labels and Services, so cut there.
+*/}}
+{{- define "rankguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rankguard.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rankguard.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels: fixed for the life of a release (a Deployment's selector is immutable).
+The component label keeps the operator's pods apart from anything else the release owns.
+*/}}
+{{- define "rankguard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rankguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/*
+Labels of every object of the chart. managed-by is Helm here: the serving pods the operator
+renders carry app.kubernetes.io/managed-by=rankguard, and the NetworkPolicy selects by that,
+so the operator's own pod is never mistaken for a serving pod.
+*/}}
+{{- define "rankguard.labels" -}}
+helm.sh/chart: {{ include "rankguard.chart" . }}
+{{ include "rankguard.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rankguard
+{{- end }}
+
+{{- define "rankguard.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rankguard.fullname" .) .Values.serviceAccount.name }}
+{{- else if .Values.serviceAccount.name }}
+{{- .Values.serviceAccount.name }}
+{{- else }}
+{{- fail "serviceAccount.create=false needs serviceAccount.name: the operator must run as an account that holds the rules in docs/rbac.md, never as the namespace's default account" }}
+{{- end }}
+{{- end }}
+
+{{/*
+An image reference from {repository, tag, digest}: a digest wins, so a release pins bytes;
+an empty tag means the chart's appVersion.
+Usage: include "rankguard.imageRef" (dict "image" .Values.image "context" $)
+*/}}
+{{- define "rankguard.imageRef" -}}
+{{- $image := .image }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository (default .context.Chart.AppVersion $image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The namespaces the operator reconciles, comma-separated; empty means every namespace.
+A namespaced install without a list watches the release namespace.
+*/}}
+{{- define "rankguard.watchNamespaces" -}}
+{{- if .Values.watchNamespaces }}
+{{- join "," .Values.watchNamespaces }}
+{{- else if .Values.rbac.namespaced }}
+{{- .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the NetworkPolicies go: listed explicitly, else the watched namespaces. A cluster-wide
+install has no list to fall back on, and a NetworkPolicy only selects pods of its own
+namespace, so that combination is refused rather than silently protecting nothing.
+*/}}
+{{- define "rankguard.networkPolicyNamespaces" -}}
+{{- if .Values.networkPolicy.namespaces }}
+{{- join "," .Values.networkPolicy.namespaces }}
+{{- else if (include "rankguard.watchNamespaces" .) }}
+{{- include "rankguard.watchNamespaces" . }}
+{{- else }}
+{{- fail "networkPolicy.enabled with a cluster-wide install needs networkPolicy.namespaces: a NetworkPolicy only selects pods in its own namespace, so list the namespaces where your LLMServices run" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The rules of the operator's ServiceAccount: exactly what it calls, nothing more (docs/rbac.md
+has the same table; tests/cluster/test_chart.py asserts `kubectl auth can-i --list` equals it).
+No delete anywhere: serving Deployments and Services carry an ownerReference to their
+LLMService, so the garbage collector removes them; the operator never deletes.
+*/}}
+{{- define "rankguard.rules" -}}
+# Watch every LLMService (the operator's input). patch: kopf keeps its finalizer and its
+# last-handled-spec annotation on the object itself.
+- apiGroups: ["rankguard.io"]
+  resources: ["llmservices"]
+  verbs: ["get", "list", "watch", "patch"]
+# Report per-rank headroom, the budget, conditions and remediation history in .status.
+- apiGroups: ["rankguard.io"]
+  resources: ["llmservices/status"]
+  verbs: ["get", "patch"]
+# Render the serving Deployment by server-side apply (create the first time, patch after:
+# a remediation rolls the vLLM flags); watch it to see the rollout finish.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The Service in front of each LLMService's serving pods, also by server-side apply.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Read-only: pod IPs to scrape each agent's /report, and container terminations
+# (OOMKilled, the agent's CUDA OOM termination message) to remediate.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Tell people what happened (remediations, rejected specs) as Events on the LLMService;
+# patch lets repeated events be counted instead of duplicated. Both Event APIs, because
+# kopf posts core/v1 Events and events.k8s.io/v1 is the API new clients use.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}

@@ -1,0 +1,406 @@
+"""The fake `vllm serve`, run for real as a subprocess over a temporary GPU root."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rankguard_sim import fake_vllm, gpus
+from rankguard_sim import scenario as S
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
+GIB = 1 << 30
+MIB = 1 << 20
+OOM_LINE = re.compile(
+    r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate (\d+\.\d\d) (MiB|GiB)\. "
+    r"GPU (\d+) has a total capacity of (\d+\.\d\d) GiB of which (\d+\.\d\d) (MiB|GiB|KiB) is free\."
+)
+
+
+@dataclass
+class World:
+    root: Path
+    uuids: list[str]
+    scenario: S.Scenario
+    logs: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(REPO / "sim"),
+            "HOME": os.environ.get("HOME", "/tmp"),
+            gpus.GPU_ROOT_ENV: str(self.root),
+            gpus.VISIBLE_DEVICES_ENV: ",".join(self.uuids),
+            S.SCENARIO_ENV: self.scenario.name,
+            fake_vllm.TIME_SCALE_ENV: "50",
+            fake_vllm.PEAK_HOLD_ENV: "0.05",
+        }
+        env.update(extra)
+        return env
+
+    def files(self) -> list[Path]:
+        return sorted(self.root.glob("*/procs/*.json"))
+
+    def used(self, rank: int) -> int:
+        return gpus.used_bytes(self.root, self.uuids[rank])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Runner:
+    """Starts fake vLLM processes and never leaves one running."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def world(self, name: str, gpu_count: int | None = None) -> World:
+        s = S.load_scenario(name)
+        root = self.tmp_path / f"gpus-{name}"
+        uuids = gpus.create_gpus(root, gpu_count or s.world_size, s.gpu.total_bytes, seed=name)
+        for rank, uuid in enumerate(uuids[: s.world_size]):
+            gpus.set_comm_init_bytes(root, uuid, s.comm_init_bytes(rank))
+        return World(root=root, uuids=uuids, scenario=s, logs=self.tmp_path)
+
+    def start(self, world: World, args: list[str], **env: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        n = len(self.procs)
+        out, err = world.logs / f"out{n}.log", world.logs / f"err{n}.log"
+        with out.open("wb") as o, err.open("wb") as e:
+            proc = subprocess.Popen([str(SHIM), *args], stdout=o, stderr=e, env=world.env(**env))
+        self.procs.append(proc)
+        return proc, out, err
+
+    def run(self, world: World, args: list[str], **env: str) -> tuple[int, str, str]:
+        proc, out, err = self.start(world, args, **env)
+        rc = proc.wait(timeout=60)
+        return rc, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator[Runner]:
+    r = Runner(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def wait_for(predicate: object, timeout: float = 20.0, every: float = 0.05) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+def model_args(world: World, *flags: str) -> list[str]:
+    s = world.scenario
+    return [
+        "serve",
+        s.model.name,
+        "--tensor-parallel-size",
+        str(s.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(s.pipeline_parallel_size),
+        *flags,
+    ]
+
+
+def the_oom(stderr: str) -> re.Match[str]:
+    found = OOM_LINE.search(stderr)
+    assert found, stderr[-3000:]
+    return found
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+
+def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    expected = S.outcome(world.scenario, gpu_memory_utilization=0.87)
+    assert not expected.crashes
+    port = free_port()
+    args = model_args(world, "--gpu_memory_utilization=0.87", "--port", str(port), "--host", "127.0.0.1")
+    args += ["--served-model-name", "llama"]
+    proc, out, _ = runner.start(world, args, **{fake_vllm.PEAK_HOLD_ENV: "0.3"})
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+
+    # Every rank holds its allocation under this process's pid; rank 0 holds the most.
+    assert {p.name.split("-", 1)[0] for p in world.files()} == {str(proc.pid)}
+    assert world.used(0) > world.used(1) == world.used(2) == world.used(3) > 60 * GIB
+
+    # The transient peaks are held long enough for a 10 Hz sampler to see them.
+    seen = set()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        seen.add(world.used(0))
+        time.sleep(0.1)
+    assert len(seen) >= 2, "no transient peak observed on rank 0"
+
+    status, metrics = http_get(port, "/metrics")
+    assert status == 200
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert re.search(rf'^{re.escape(name)}{{engine="0",model_name="llama"}} ', metrics, re.M), name
+    assert f'num_gpu_blocks="{expected.num_gpu_blocks}"' in metrics
+    assert 'block_size="16"' in metrics
+    assert json.loads(http_get(port, "/v1/models")[1])["data"][0]["id"] == "llama"
+
+    log = out.read_text()
+    assert f"GPU KV cache size: {expected.kv_tokens:,} tokens" in log
+    assert "Available KV cache memory: " in log
+    assert re.search(r"Model loading took 32\.854\d GiB memory and \d+\.\d{6} seconds", log)
+    assert re.search(r"Maximum concurrency for 8,192 tokens per request: \d+\.\d\dx", log)
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert world.files() == []
+    assert all(world.used(r) == 0 for r in range(4))
+
+
+def test_a_running_load_reports_running_and_waiting_requests(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    port = free_port()
+    args = model_args(world, "--gpu-memory-utilization", "0.87", "--max-num-seqs", "64", "--port", str(port))
+    proc, _, _ = runner.start(world, args, **{fake_vllm.PEAK_HOLD_ENV: "0.2"})
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+
+    def busy() -> bool:
+        body = http_get(port, "/metrics")[1]
+        running = re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", body, re.M)
+        waiting = re.search(r"^vllm:num_requests_waiting\{.*\} (\S+)$", body, re.M)
+        return bool(running and waiting and float(running.group(1)) == 64 and float(waiting.group(1)) > 0)
+
+    wait_for(busy, timeout=20, every=0.05)  # the demand ramps to 256, the flag caps the batch at 64
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+# -- running out --------------------------------------------------------------------------------
+
+
+def test_default_utilisation_ooms_on_rank0_with_the_real_torch_message(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    expected = S.outcome(world.scenario)
+    assert expected.crashes and expected.rank == 0 and expected.requested_bytes is not None
+    rc, out, err = runner.run(world, model_args(world, "--port", str(free_port())))
+    assert rc == 1
+    oom = the_oom(err)
+    assert oom.group(3) == "0"  # GPU 0: rank 0 runs out, ranks 1-3 never do
+    assert float(oom.group(1)) == pytest.approx(expected.requested_bytes / MIB)
+    assert oom.group(4) == "79.14"
+    assert "GPU 1 " not in err and "GPU 2 " not in err and "GPU 3 " not in err
+    assert "Application startup complete." in out  # it failed while serving, not at start-up
+    assert world.files() == []
+
+    # The agent's recogniser (a different codebase) reads the same figures from these lines.
+    from rankguard_agent.recognisers import recognise_oom
+
+    line = next(ln for ln in err.splitlines() if "torch.OutOfMemoryError" in ln)
+    seen = recognise_oom(line)
+    assert seen is not None and seen.gpu_index == 0
+    assert seen.requested_bytes == expected.requested_bytes
+
+
+def test_an_over_large_kv_budget_ooms_rank0_first(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    safe = S.true_max_safe_kv(world.scenario)
+    block = S.rank_memory(world.scenario, S.engine_config(world.scenario))[0].block_bytes
+    budget = (safe.num_gpu_blocks + 400) * block  # over rank 0's edge, under ranks 1-3's
+    assert budget < min(safe.headroom_per_rank[1:])
+    expected = S.outcome(world.scenario, kv_cache_memory_bytes=budget)
+    assert expected.rank == 0
+    rc, out, err = runner.run(
+        world, model_args(world, "--kv-cache-memory-bytes", str(budget), "--port", str(free_port()))
+    )
+    assert rc == 1
+    assert the_oom(err).group(3) == "0"
+    assert "reserved " in out and "as specified by kv_cache_memory_bytes" in out
+    assert world.files() == []
+
+
+def test_the_pp_scenario_runs_out_on_a_pipeline_terminal_rank(runner: Runner) -> None:
+    world = runner.world("tp2-pp2")
+    rc, _, err = runner.run(world, model_args(world, "--port", str(free_port())))
+    assert rc == 1
+    gpu = int(the_oom(err).group(3))
+    assert gpu in (2, 3) and gpu == S.outcome(world.scenario).rank
+    assert f"(Worker_PP1_TP{gpu - 2} pid=" in err
+    assert world.files() == []
+
+
+def test_startup_refusal_when_free_memory_is_below_the_utilisation(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    stranger = gpus.Allocation(world.root, world.uuids[1], "other", pid=os.getppid())
+    stranger.set(20 * GIB)
+    try:
+        rc, _, err = runner.run(world, model_args(world, "--port", str(free_port())))
+    finally:
+        stranger.release()
+    assert rc == 1
+    assert re.search(
+        r"ValueError: Free memory on device cuda:1 \(\d+\.\d\d/79\.14 GiB\) on startup is less than desired "
+        r"GPU memory utilization \(0\.92, 72\.81 GiB\)",
+        err,
+    )
+    assert "Engine core initialization failed" in err
+    assert "CUDA out of memory" not in err
+
+
+# -- failures that are not about memory ---------------------------------------------------------
+
+
+def test_a_gpu_lost_while_serving_stops_the_engine_on_that_rank(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    port = free_port()
+    proc, _, err = runner.start(
+        world, model_args(world, "--gpu-memory-utilization", "0.87", "--port", str(port))
+    )
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+    gpus.mark_lost(world.root, world.uuids[1])
+    assert proc.wait(timeout=20) == 1
+    text = err.read_text()
+    assert "(Worker_TP1 pid=" in text and "RuntimeError: CUDA error" in text
+    assert "CUDA out of memory" not in text
+    assert world.files() == []
+
+
+def test_unknown_flags_and_bad_choices_exit_2_like_argparse(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    rc, _, err = runner.run(world, [*model_args(world), "--frobnicate", "3"])
+    assert rc == 2 and "unrecognized arguments: --frobnicate 3" in err
+    rc, _, err = runner.run(world, model_args(world, "--dtype", "int3"))
+    assert rc == 2 and "invalid choice: 'int3'" in err
+    assert world.files() == []
+
+
+def test_a_non_memory_startup_failure_exits_1_without_an_oom(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    rc, _, err = runner.run(world, model_args(world), **{fake_vllm.FAIL_STARTUP_ENV: "weights are corrupt"})
+    assert rc == 1
+    assert "RuntimeError: weights are corrupt" in err and "Engine core initialization failed" in err
+    assert "CUDA out of memory" not in err
+    rc, _, err = runner.run(world, model_args(world, "--max-model-len", "16384"))
+    assert rc == 1 and "max_model_len (16384) is greater than the derived max_model_len" in err
+    assert world.files() == []
+
+
+def test_too_few_gpus_is_an_engine_error(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4", gpu_count=4)
+    world.uuids = world.uuids[:2]
+    rc, _, err = runner.run(world, model_args(world))
+    assert rc == 1 and "World size (4) is larger than the number of available GPUs (2)" in err
+
+
+# -- host memory and shutdown -------------------------------------------------------------------
+
+
+def test_host_memory_is_reported_and_sigterm_during_startup_exits_0(runner: Runner, tmp_path: Path) -> None:
+    world = runner.world("host-oomkilled")
+    host_file = tmp_path / "host" / "memory.json"
+    proc, _, _ = runner.start(
+        world,
+        model_args(world),
+        **{fake_vllm.HOST_MEMORY_FILE_ENV: str(host_file), fake_vllm.TIME_SCALE_ENV: "1"},
+    )
+    hm = world.scenario.host_memory
+    assert hm is not None
+
+    def loaded() -> bool:
+        try:
+            return bool(json.loads(host_file.read_text())["rss_bytes"] == hm.after_load_bytes)
+        except (OSError, ValueError):
+            return False
+
+    wait_for(loaded, timeout=15)
+    doc = json.loads(host_file.read_text())
+    assert doc == {"pid": proc.pid, "rss_bytes": hm.after_load_bytes, "peak_rss_bytes": hm.after_load_bytes}
+    assert world.files(), "weights should be on the GPU while loading"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - started < 3  # promptly, not after the start-up finishes
+    assert world.files() == []
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def test_vllm_size_syntax_and_flexible_flag_names() -> None:
+    assert fake_vllm.human_readable_int("25k") == 25_000
+    assert fake_vllm.human_readable_int("25K") == 25 * 1024
+    assert fake_vllm.human_readable_int("2G") == 2 * GIB
+    assert fake_vllm.human_readable_int("1234") == 1234
+    assert fake_vllm.normalize_argv(["serve", "m_x", "--max_model_len=8", "--kv_cache_dtype", "fp8"]) == [
+        "serve",
+        "m_x",
+        "--max-model-len=8",
+        "--kv-cache-dtype",
+        "fp8",
+    ]
+    args = fake_vllm.parse_args(
+        ["serve", "m", "-tp", "4", "--kv_cache_memory_bytes", "30G", "--no-enforce-eager"]
+    )
+    assert (args.tensor_parallel_size, args.kv_cache_memory_bytes, args.enforce_eager) == (4, 30 * GIB, False)
+
+
+def test_cuda_visible_devices_narrows_the_pods_gpus() -> None:
+    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c", "CUDA_VISIBLE_DEVICES": "2,0"}
+    assert fake_vllm.select_gpus(env) == ["GPU-c", "GPU-a"]
+    assert fake_vllm.select_gpus({"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
+
+
+def test_sampler_warmup_oom_is_chained_like_vllm() -> None:
+    oom = S.CudaOutOfMemory(
+        1,
+        "sampler-warmup",
+        nbytes=300 * MIB,
+        free=10 * MIB,
+        total=80 * GIB,
+        process_bytes=79 * GIB,
+        torch_allocated=70 * GIB,
+        private_pools=0,
+        what=S.TAG_TRANSIENT,
+    )
+    lines = fake_vllm.failure_lines(S.SamplerWarmupOOM(oom, 256))
+    text = "\n".join(lines)
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 300.00 MiB. GPU 1 " in text
+    assert "The above exception was the direct cause of the following exception:" in text
+    assert lines[-1].startswith(
+        "RuntimeError: CUDA out of memory occurred when warming up sampler with 256 dummy"
+    )
