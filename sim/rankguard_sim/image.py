@@ -1,0 +1,83 @@
+"""The sandbox's one "image": a folder of small launchers that stand in for container commands.
+
+The process kubelet puts this folder first on every container's PATH, so a command the
+container runs itself (the agent starting `vllm serve …`) finds the same stand-ins:
+
+=========================  ==================================================================
+command                    runs
+=========================  ==================================================================
+python3, python            this interpreter with `-S` and only the third-party site-packages
+                           on PYTHONPATH (after the pod's own PYTHONPATH): like a vLLM image,
+                           it has aiohttp, torch, pynvml… but not rankguard's own packages,
+                           so the agent can only run from the copy its init container made.
+vllm                       the fake vLLM (sim/rankguard_sim/bin/vllm), with the repo's sim/
+                           folder prepended to PYTHONPATH so the shim finds rankguard_sim.
+rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguard_agent (and
+                           pynvml, when installed) into DEST, as the agent image's init step.
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import site
+import sys
+from pathlib import Path
+
+from .podspec import ImageTable
+
+SIM_DIR = Path(__file__).resolve().parents[1]  # the repo's sim/ source root
+REPO = SIM_DIR.parent
+AGENT_PACKAGE = REPO / "agent" / "rankguard_agent"
+VLLM_SHIM = SIM_DIR / "rankguard_sim" / "bin" / "vllm"
+
+# An image's ENTRYPOINT and CMD, used when a container gives no `command`.
+DEFAULT_ENTRYPOINTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "vllm/vllm-openai": (("vllm", "serve"), ()),
+    "python": ((), ("python3",)),
+}
+
+
+def third_party_paths() -> list[str]:
+    """This interpreter's site-packages folders (no editable hooks: `-S` skips .pth files)."""
+    paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    return list(dict.fromkeys(paths))
+
+
+def pynvml_file() -> str | None:
+    spec = importlib.util.find_spec("pynvml")
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+
+
+def _script(body: str) -> str:
+    return "#!/bin/sh\n# Written by the rankguard process kubelet (rankguard_sim.image).\n" + body
+
+
+def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
+    """Write the launchers into `folder` and return the table that maps commands to them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    q = shlex.quote
+    site_path = ":".join(third_party_paths())
+    py = _script(
+        f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
+        f'exec {q(python)} -S "$@"\n'
+    )
+    vllm = _script(
+        f'PYTHONPATH={q(str(SIM_DIR))}"${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
+        f'exec {q(python)} {q(str(VLLM_SHIM))} "$@"\n'
+    )
+    nvml = pynvml_file()
+    install = _script(
+        f"PYTHONPATH={q(str(SIM_DIR))} exec {q(python)} -S -m rankguard_sim.agent_install "
+        f"--agent {q(str(AGENT_PACKAGE))}" + (f" --pynvml {q(nvml)}" if nvml else "") + ' "$@"\n'
+    )
+    scripts = {"python3": py, "python": py, "vllm": vllm, "rankguard-agent-install": install}
+    table: dict[str, str] = {}
+    for name, text in scripts.items():
+        path = folder / name
+        path.write_text(text)
+        path.chmod(0o755)
+        table[name] = str(path)
+    return ImageTable(commands=table, entrypoints=dict(DEFAULT_ENTRYPOINTS))
