@@ -946,7 +946,13 @@ def _guard(inp: PolicyInput, d: Decision) -> Decision:
     if d.action == "rollback":
         return d  # returning to known flags is always allowed
     last = _last(inp.history)
-    if last is not None and inp.now - last.time < rem.cooldown_seconds:
+    # A crash under the very flags our last change produced means that change is failing now:
+    # fixing it is not flapping, and the service is down meanwhile, so the cooldown does not
+    # apply. The hourly limit still does.
+    fixes_last_change = (
+        d.trigger in (T_CUDA_OOM, T_OOM_KILLED) and last is not None and last.to_flags == inp.current
+    )
+    if last is not None and not fixes_last_change and inp.now - last.time < rem.cooldown_seconds:
         wait = last.time + rem.cooldown_seconds - inp.now
         return _hold(
             inp,

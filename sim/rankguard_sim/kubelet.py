@@ -139,6 +139,9 @@ class ProcessKubelet:
         # The sandbox's own knobs for every container (e.g. RANKGUARD_SIM_TIME_SCALE); the
         # pod spec's env still wins, as it does over an image's ENV.
         self.extra_env = dict(extra_env or {})
+        # A world fault: the next N starts of a container with this name fail at start-up for
+        # a reason that has nothing to do with memory (say, a broken driver on the node).
+        self._start_faults: dict[str, list[str]] = {}
         self.address = address
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
@@ -280,6 +283,19 @@ class ProcessKubelet:
                 if w.namespace == namespace and w.pod_name == name:
                     return w
         return None
+
+    def inject_start_faults(self, container: str, count: int, message: str) -> None:
+        """Make the next `count` starts of containers named `container` fail at start-up."""
+        with self._lock:
+            self._start_faults.setdefault(container, []).extend([message] * count)
+
+    def take_start_fault(self, container: str) -> dict[str, str]:
+        """Env for one container start: the fault to play, if one is queued for it."""
+        with self._lock:
+            queue = self._start_faults.get(container)
+            if not queue:
+                return {}
+            return {"RANKGUARD_SIM_FAIL_STARTUP": queue.pop(0)}
 
     def pod_pids(self, namespace: str, name: str) -> list[int]:
         w = self._worker(namespace, name)

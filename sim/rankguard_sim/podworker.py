@@ -342,6 +342,7 @@ class PodWorker(threading.Thread):
         if k.scenario:
             env[SCENARIO_ENV] = k.scenario
         env.update(k.extra_env)
+        env.update(k.take_start_fault(slot.name))
         env[HOST_MEMORY_ENV] = str(memory_file)
         env.update({name: pm.env_value(value) for name, value in pod_env.items()})
         working = slot.spec.get("workingDir")

@@ -344,11 +344,22 @@ def test_ooms_of_pods_running_older_flags_are_superseded() -> None:
 
 def test_cooldown_holds_and_says_when_to_retry() -> None:
     t = term()
-    d = decide(inp(new_terminations=[t], history=[past(100)]))
+    # The last change led somewhere else (the current flags came from a person's edit).
+    d = decide(inp(new_terminations=[t], history=[past(100, to=KV + GiB)]))
     assert (d.action, d.trigger, d.reason, d.held_action) == ("hold", "Cooldown", "CooldownActive", "shrink")
     assert d.retry_after == pytest.approx(200) and d.handled == () and d.flags == CUR
     assert "within the 300s cooldown" in d.message and "held: rank 2 ran out" in d.message
-    assert decide(inp(new_terminations=[t], history=[past(300)])).action == "shrink"  # boundary
+    assert decide(inp(new_terminations=[t], history=[past(300, to=KV + GiB)])).action == "shrink"  # boundary
+
+
+def test_a_crash_under_the_last_changes_flags_is_fixed_within_the_cooldown() -> None:
+    # The last change produced the current flags and they crash: waiting out the cooldown
+    # would only keep the service down.
+    d = decide(inp(new_terminations=[term()], history=[past(100, to=KV)]))
+    assert d.action == "shrink" and d.trigger == "CUDAOutOfMemory"
+    # A pre-emptive change is still held.
+    four = [past(3599), past(3000), past(2000), past(100, to=KV)]
+    assert decide(inp(new_terminations=[term()], history=four)).reason == "RateLimited"
 
 
 def test_rate_limit_counts_the_last_hour() -> None:
@@ -492,7 +503,7 @@ def test_other_terminations_are_recorded_whatever_is_decided() -> None:
     stop = term("Other", exit_code=143)
     d = decide(inp(new_terminations=[stop, term()]))
     assert d.action == "shrink" and stop.key in d.handled
-    held = decide(inp(new_terminations=[stop, term()], history=[past(10)]))
+    held = decide(inp(new_terminations=[stop, term()], history=[past(10, to=KV + GiB)]))
     assert held.action == "hold" and held.handled == (stop.key,)
 
 

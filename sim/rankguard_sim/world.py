@@ -1,0 +1,158 @@
+"""The whole sandbox in one object: control plane, CRD, a simulated GPU node, the operator.
+
+Used by the end-to-end tests and by `make demo`. The operator runs as a real subprocess
+(`python -m rankguard_operator`), exactly as in its container; the process kubelet runs in
+this process and starts the agent and the fake vLLM as local processes. Nothing here knows
+rankguard's budget math: the node's ground truth is a scenario file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from .cluster import ControlPlane, _die_with_parent, free_port
+from .kubelet import ProcessKubelet
+from .testbin import REPO_ROOT
+
+CRD_FILE = REPO_ROOT / "crds" / "llmservice.yaml"
+
+
+@dataclass
+class OperatorProcess:
+    """`python -m rankguard_operator` against a control plane, logs to a file."""
+
+    kubeconfig: Path
+    log: Path
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    liveness_port: int = 0
+
+    def start(self) -> None:
+        self.liveness_port = free_port()
+        env = dict(os.environ)
+        env.update(
+            {
+                "KUBECONFIG": str(self.kubeconfig),
+                "RANKGUARD_LIVENESS_PORT": str(self.liveness_port),
+                "RANKGUARD_LIVENESS_HOST": "127.0.0.1",
+                "RANKGUARD_METRICS_PORT": "0",
+                "RANKGUARD_SCRAPE_INTERVAL": "1",
+                "RANKGUARD_AGENT_IMAGE": "ghcr.io/rankguard/agent:0.1.0",
+                "PYTHONUNBUFFERED": "1",
+                **self.env_extra,
+            }
+        )
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rankguard_operator"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl
+            )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        import urllib.request  # noqa: PLC0415
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"the operator exited during start-up; see {self.log}")
+            url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"the operator was not live after {timeout:.0f}s; see {self.log}")
+
+    def stop(self, grace: float = 15) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+@dataclass
+class Node:
+    """A simulated GPU node: a process kubelet over its own GPU folder."""
+
+    kubelet: ProcessKubelet
+    name: str
+
+    def stop(self) -> None:
+        self.kubelet.stop()
+
+
+def install_crd(cp: ControlPlane) -> None:
+    cp.kubectl("apply", "--server-side", "--field-manager=rankguard-sandbox", "-f", str(CRD_FILE))
+    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/llmservices.rankguard.io")
+
+
+def start_node(
+    api: Any,
+    workdir: Path,
+    name: str,
+    scenario: str,
+    *,
+    time_scale: float = 1.0,
+    backoff_base: float = 0.5,
+    backoff_cap: float = 5.0,
+) -> Node:
+    kubelet = ProcessKubelet(
+        api,
+        name,
+        workdir=workdir / name,
+        gpu_root=workdir / name / "gpus",
+        gpus=scenario_gpu_count(scenario),
+        scenario=scenario,
+        backoff_base=backoff_base,
+        backoff_cap=backoff_cap,
+        delete_node_on_stop=True,
+        extra_env={"RANKGUARD_SIM_TIME_SCALE": str(time_scale)},
+    )
+    kubelet.start()
+    return Node(kubelet, name)
+
+
+def scenario_gpu_count(scenario: str) -> int:
+    from .scenario import load_scenario  # noqa: PLC0415
+
+    s = load_scenario(scenario)
+    # One serving replica's GPUs plus room for a second during a roll.
+    return int(s.world_size) * 2
+
+
+def wait_node_schedulable(api: Any, name: str, timeout: float = 90) -> None:
+    from .nodes import node_schedulable  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node_schedulable(api, name):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"node {name} did not become schedulable within {timeout:.0f}s")
+
+
+def llmservice(api: Any, namespace: str, name: str) -> dict[str, Any]:
+    obj = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        "rankguard.io", "v1alpha1", namespace, "llmservices", name
+    )
+    return dict(obj)

@@ -1,0 +1,117 @@
+"""The whole loop: real API server, the operator as a subprocess, a process kubelet running the
+agent and the fake vLLM. One operator per session (watching `e2e-*` namespaces only, so the
+in-process operators of the cluster tests never meet it); one simulated node per test, with
+that test's scenario, removed afterwards."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.world import Node, OperatorProcess, install_crd, start_node, wait_node_schedulable
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
+
+
+@pytest.fixture(scope="session")
+def operator_process(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    install_crd(cluster)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster.kubeconfig, log, env_extra={"RANKGUARD_WATCH_NAMESPACES": "e2e-*"})
+    op.start()
+    try:
+        op.wait_ready()
+        yield op
+    finally:
+        op.stop()
+
+
+@pytest.fixture
+def e2e_namespace(api: client.ApiClient, operator_process: OperatorProcess) -> Iterator[str]:
+    core = client.CoreV1Api(api)
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespaced_service_account("default", name)
+            break
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            time.sleep(0.2)
+    try:
+        yield name
+    finally:
+        # Delete the services first so their pods stop while the node still runs them.
+        custom = client.CustomObjectsApi(api)
+        for item in custom.list_namespaced_custom_object(GROUP, VERSION, name, PLURAL).get("items", []):
+            try:
+                custom.delete_namespaced_custom_object(GROUP, VERSION, name, PLURAL, item["metadata"]["name"])
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        core.delete_namespace(name)
+
+
+@pytest.fixture
+def make_node(api: client.ApiClient, tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    nodes: list[Node] = []
+
+    def make(scenario: str, **kw: Any) -> Node:
+        node = start_node(api, tmp_path, f"e2e-{scenario}-{uuid.uuid4().hex[:5]}", scenario, **kw)
+        nodes.append(node)
+        wait_node_schedulable(api, node.name)
+        return node
+
+    try:
+        yield make
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+
+
+def apply_service(api: client.ApiClient, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    )
+
+
+def get_service(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return dict(
+        client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    )
+
+
+def example(name: str = "llama3-70b-tp4.yaml") -> dict[str, Any]:
+    return dict(yaml.safe_load((REPO / "examples" / name).read_text()))
+
+
+def condition(svc: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for c in (svc.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return None

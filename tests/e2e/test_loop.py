@@ -1,0 +1,148 @@
+"""End to end: the operator, the agent and the fake vLLM on a simulated node, through the real
+API server. Each test tells one story a platform engineer would recognise."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kubelet import wait_for_pids_gone
+
+from .conftest import apply_service, condition, example, get_service, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def _ready(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    svc = get_service(api, ns, name)
+    c = condition(svc, "Ready")
+    st = svc.get("status") or {}
+    if c and c["status"] == "True" and st.get("ranks") and st.get("minHeadroom"):
+        return svc
+    return None
+
+
+def test_rank0_oom_is_remediated_to_ready_with_headroom(
+    api: client.ApiClient, cluster: ControlPlane, e2e_namespace: str, make_node: Any
+) -> None:
+    make_node("llama3-70b-tp4", time_scale=4)
+    doc = example()
+    apply_service(api, e2e_namespace, doc)
+    name = doc["metadata"]["name"]
+
+    svc = wait_for(
+        "a CUDA OOM remediation and a Ready service", lambda: _ready(api, e2e_namespace, name), 240
+    )
+    st = svc["status"]
+    ooms = [r for r in st.get("remediations", []) if r["trigger"] == "CUDAOutOfMemory"]
+    assert ooms, st.get("remediations")
+    assert ooms[-1]["rank"] == 0
+    assert ooms[-1]["toFlags"]["kvCacheMemoryBytes"] < ooms[-1]["fromFlags"]["kvCacheMemoryBytes"]
+    # The remediation did not need a second one: it held under load.
+    assert len(ooms) == 1
+    assert len(st["ranks"]) == 4
+    assert st["bottleneckRank"] == 0 and st["bottleneck"] == "rank 0"
+    assert all(r["headroomBytes"] > 0 for r in st["ranks"])
+    assert st["budget"]["kvCacheMemoryBytes"] == ooms[-1]["toFlags"]["kvCacheMemoryBytes"]
+
+    out = cluster.kubectl("get", "llmservice", name, "-n", e2e_namespace).stdout
+    header, row = out.splitlines()[:2]
+    assert header.split()[:10] == [
+        "NAME", "MODEL", "TP", "READY", "KV-BUDGET", "RANK0", "MIN-HEADROOM", "BOTTLENECK", "PHASE", "AGE",
+    ]  # fmt: skip
+    cells = row.split()
+    assert cells[3] == "1/1" and cells[4].endswith("Gi") and cells[5].endswith(("Gi", "Mi"))
+    events = client.CoreV1Api(api).list_namespaced_event(
+        e2e_namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=LLMService"
+    )
+    assert any("ran out of GPU memory" in (e.message or "") for e in events.items)
+
+
+def test_pipeline_terminal_rank_is_the_bottleneck_and_the_budget_follows_it(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    make_node("tp2-pp2", time_scale=4)
+    doc = {
+        "apiVersion": "rankguard.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "pp"},
+        "spec": {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.11.0",
+            "tensorParallelSize": 2,
+            "pipelineParallelSize": 2,
+            "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
+            "memory": {"gpuMemoryBytes": 25769803776},
+            "remediation": {"cooldownSeconds": 30},
+        },
+    }
+    apply_service(api, e2e_namespace, doc)
+    svc = wait_for("the PP service to be Ready with headroom", lambda: _ready(api, e2e_namespace, "pp"), 240)
+    st = svc["status"]
+    assert st["bottleneckRank"] != 0, st["ranks"]
+    assert st["bottleneckRank"] in (2, 3)  # the pipeline-terminal stage
+    crashes = [r for r in st.get("remediations", []) if r["trigger"] == "CUDAOutOfMemory"]
+    assert all(r.get("rank") in (2, 3) for r in crashes), crashes
+
+
+def test_oomkilled_raises_the_memory_limit_until_running(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    make_node("host-oomkilled", time_scale=4)
+    doc = {
+        "apiVersion": "rankguard.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "hostmem"},
+        "spec": {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.11.0",
+            "tensorParallelSize": 1,
+            "engine": {"maxModelLen": 8192, "maxNumSeqs": 256},
+            "memory": {"gpuMemoryBytes": 85060306944},
+            "remediation": {"cooldownSeconds": 0, "maxHostMemory": "64Gi"},
+            # A limit that fits the engine at rest but not the weights staged while loading.
+            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+        },
+    }
+    apply_service(api, e2e_namespace, doc)
+    svc = wait_for("the memory limit raised and Ready", lambda: _ready(api, e2e_namespace, "hostmem"), 240)
+    raises = [r for r in svc["status"]["remediations"] if r["trigger"] == "OOMKilled"]
+    assert raises, svc["status"].get("remediations")
+    dep = client.AppsV1Api(api).read_namespaced_deployment("hostmem", e2e_namespace)
+    limit = dep.spec.template.spec.containers[0].resources.limits["memory"]
+    assert limit != "16Gi"
+
+
+def test_deleting_the_service_removes_everything_and_leaves_no_process(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    node = make_node("llama3-70b-tp4", time_scale=4)
+    doc = example()
+    doc["metadata"]["name"] = "gone"
+    apply_service(api, e2e_namespace, doc)
+    apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+    wait_for("a running pod", node.kubelet.all_pids, 120)
+    pids = node.kubelet.all_pids()
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        "rankguard.io", "v1alpha1", e2e_namespace, "llmservices", "gone"
+    )
+    wait_for(
+        "the Deployment, Service and pods to be collected",
+        lambda: (
+            not apps.list_namespaced_deployment(e2e_namespace).items
+            and not [
+                s for s in core.list_namespaced_service(e2e_namespace).items if s.metadata.name == "gone"
+            ]
+            and not core.list_namespaced_pod(e2e_namespace).items
+        ),
+        120,
+    )
+    assert wait_for_pids_gone(pids, timeout=20) == []
+    assert node.kubelet.all_pids() == []
+    assert not node.kubelet.gpu_assignments()
+    leftovers = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    assert leftovers == []
