@@ -12,11 +12,13 @@ for scanning only, an unwritable stdout or termination log is logged once and ig
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -113,6 +115,9 @@ class LineScanner:
             log.exception("%s: scanning a line failed", self.name)
 
 
+_ERROR_WORDS = re.compile(r"(?:Error|ERROR|error:|Exception|CUDA error)")
+
+
 class Observer:
     """Keeps what the engine's lines said: the first memory cause and the last KV line."""
 
@@ -120,10 +125,21 @@ class Observer:
         self.state = state
         self.cause: CudaOom | KVTooSmall | None = None
         self.last_kv: KVObservation | None = None
+        # The last few lines that look like errors: when no memory cause is recognised, they
+        # are what an engine error's termination message shows a person. More than one,
+        # because vLLM ends with a generic "Engine core initialization failed. See root cause
+        # above." right after the line that names the cause.
+        self._errors: collections.deque[str] = collections.deque(maxlen=3)
+
+    @property
+    def last_error(self) -> str | None:
+        return " | ".join(self._errors) if self._errors else None
 
     def on_line(self, line: str) -> None:
         found = recognise(line)
         if found is None:
+            if _ERROR_WORDS.search(line):
+                self._errors.append(line.strip()[:400])
             return
         if isinstance(found, KVObservation):
             self.last_kv = found
@@ -317,7 +333,13 @@ class Launcher:
         if stuck:
             log.warning("the engine's output pipes stayed open after it exited; stopped reading them")
             await asyncio.gather(*stuck, return_exceptions=True)
-        message = decide(returncode, self.observer.cause, self.observer.last_kv, runtime.n_ranks())
+        message = decide(
+            returncode,
+            self.observer.cause,
+            self.observer.last_kv,
+            runtime.n_ranks(),
+            last_error=self.observer.last_error,
+        )
         log.info("engine exited with %d: %s", message.exit_code, message.reason)
         write_termination_log(self.cfg.termination_log, message)
         return message.exit_code

@@ -44,7 +44,9 @@ def decide(
     cause: CudaOom | KVTooSmall | None,
     last_kv: KVObservation | None,
     n_ranks: int,
+    *,
     launch_error: str | None = None,
+    last_error: str | None = None,
 ) -> TerminationMessage:
     exit_code = exit_code_of(returncode)
     sig = -returncode if returncode < 0 else None
@@ -84,4 +86,5 @@ def decide(
         except ValueError:
             name = f"signal {sig}"
         return TerminationMessage(SIGNALED, exit_code, signal=sig, last_kv_line=last_kv_line, detail=name)
-    return TerminationMessage(ENGINE_ERROR, exit_code, last_kv_line=last_kv_line)
+    detail = _short(last_error) if last_error else None
+    return TerminationMessage(ENGINE_ERROR, exit_code, last_kv_line=last_kv_line, detail=detail)

@@ -8,6 +8,7 @@ operator owns exactly the fields it renders and a person's edits to other fields
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,8 @@ def login() -> None:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # Read KUBECONFIG now: the client's default path was fixed when it was imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     _api = client.ApiClient()
 
 

@@ -119,6 +119,15 @@ class ServiceLoop:
                     "%s/%s: rolling pending remediation %s", self.namespace, self.name, pending.get("id")
                 )
                 deployment = await self._roll(spec, target, pending.get("id"))
+                record = pending.get("record")
+                if isinstance(record, dict) and not any(
+                    h.get("revision") == pending.get("id") for h in history
+                ):
+                    # The pass that decided this died before recording it: record and announce now.
+                    history = status.append_history(history, record)
+                    self._event(
+                        "Warning", "RemediationResumed", str(record.get("message") or ""), always=True
+                    )
             current = target or current
             handled = _merge_keys(handled, pending.get("terminations") or [])
             updates["pendingRemediation"] = None
@@ -182,6 +191,9 @@ class ServiceLoop:
                         "fromFlags": current.to_status(),
                         "toFlags": decision.flags.to_status(),
                         "terminations": list(decision.handled),
+                        "record": decision.remediation(now, revision=rid).to_status()
+                        if decision.is_remediation
+                        else None,
                     }
                 },
             )

@@ -39,6 +39,18 @@ class Scraped:
     received_at: float
 
 
+async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """Up to `limit` bytes of a body. One `StreamReader.read(n)` returns as soon as any data is
+    buffered (often a single 64 KiB chunk), which would cut a larger report short."""
+    raw = bytearray()
+    while len(raw) < limit:
+        chunk = await stream.read(limit - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    return bytes(raw)
+
+
 class Scraper:
     """One per LLMService: a long-lived aiohttp session reused across scrapes."""
 
@@ -69,7 +81,7 @@ class Scraper:
                     if resp.status != 200:
                         self._reject(target, "http-status", f"HTTP {resp.status}")
                         return None
-                    raw = await resp.content.read(MAX_REPORT_BYTES + 1)
+                    raw = await _read_at_most(resp.content, MAX_REPORT_BYTES + 1)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self._reject(target, "unreachable", f"{type(e).__name__}: {e}")
                 return None
@@ -78,7 +90,9 @@ class Scraper:
             return None
         try:
             report = parse_report(raw)
-        except ReportError as e:
+        # ValueError besides ReportError: json.loads raises a bare ValueError for an integer of
+        # more than 4300 digits (Python's int-conversion limit), which parse_report lets through.
+        except (ReportError, ValueError) as e:
             self._reject(target, "malformed", str(e))
             return None
         REPORTS_OK.labels(namespace=self.namespace, llmservice=self.service).inc()

@@ -316,8 +316,19 @@ def _conditions(
     # Degraded sticks until the service is ready on a completed rollout: a crash-looping
     # service alternates between "degrade" (a new crash) and "none" (between crashes).
     old_degraded = condition(old, DEGRADED)
+    # After a rollback the service runs, but not as asked: it stays Degraded, with the reason,
+    # until another change is made (by rankguard or by a person through the spec).
+    rolled_back = last is not None and last.action == "rollback" and flags == last.to_flags
     if decision is not None and decision.action in ("degrade", "hold"):
         put(DEGRADED, "True", decision.reason, decision.message)
+    elif rolled_back and last is not None:
+        put(
+            DEGRADED,
+            "True",
+            "RolledBack",
+            f"{last.message}. The service runs the last known good flags; fix the cause (see the "
+            "pods' events and logs) or change the spec to try again.",
+        )
     elif old_degraded is not None and old_degraded.get("status") == "True" and not ready:
         put(
             DEGRADED,

@@ -5,6 +5,7 @@ that test's scenario, removed afterwards."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,7 +84,13 @@ def make_node(api: client.ApiClient, tmp_path: Path) -> Iterator[Callable[..., N
             n.stop()
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120, every: float = 0.5) -> Any:
+def wait_for(
+    what: str,
+    probe: Callable[[], Any],
+    timeout: float = 120,
+    every: float = 0.5,
+    dump: Callable[[], Any] | None = None,
+) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -91,7 +98,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120, every: f
         if last:
             return last
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+    context = f"\n{json.dumps(dump(), indent=1, default=str)[:6000]}" if dump else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}{context}")
 
 
 def apply_service(api: client.ApiClient, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:

@@ -34,14 +34,23 @@ def test_rank0_oom_is_remediated_to_ready_with_headroom(
     apply_service(api, e2e_namespace, doc)
     name = doc["metadata"]["name"]
 
+    def remediated_and_ready() -> dict[str, Any] | None:
+        svc = _ready(api, e2e_namespace, name)
+        rems = (svc or {}).get("status", {}).get("remediations") or []
+        return svc if any(r["trigger"] == "CUDAOutOfMemory" for r in rems) else None
+
     svc = wait_for(
-        "a CUDA OOM remediation and a Ready service", lambda: _ready(api, e2e_namespace, name), 240
+        "a CUDA OOM remediation and a Ready service",
+        remediated_and_ready,
+        240,
+        dump=lambda: get_service(api, e2e_namespace, name).get("status"),
     )
     st = svc["status"]
     ooms = [r for r in st.get("remediations", []) if r["trigger"] == "CUDAOutOfMemory"]
-    assert ooms, st.get("remediations")
     assert ooms[-1]["rank"] == 0
-    assert ooms[-1]["toFlags"]["kvCacheMemoryBytes"] < ooms[-1]["fromFlags"]["kvCacheMemoryBytes"]
+    # From vLLM's one-fraction-for-every-rank default to an explicit per-GPU budget below it.
+    assert ooms[-1]["fromFlags"] == {"gpuMemoryUtilization": 0.92}
+    assert ooms[-1]["toFlags"]["kvCacheMemoryBytes"] < 0.92 * 79.14 * 2**30
     # The remediation did not need a second one: it held under load.
     assert len(ooms) == 1
     assert len(st["ranks"]) == 4
@@ -146,3 +155,60 @@ def test_deleting_the_service_removes_everything_and_leaves_no_process(
     assert not node.kubelet.gpu_assignments()
     leftovers = [p for p in pids if os.path.exists(f"/proc/{p}")]
     assert leftovers == []
+
+
+def test_a_roll_that_fails_for_a_non_memory_reason_is_rolled_back(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    node = make_node("llama3-70b-tp4", time_scale=4)
+    doc = example()
+    doc["metadata"]["name"] = "rb"
+    del doc["spec"]["memory"]["gpuMemoryUtilization"]  # rankguard plans from the start
+    apply_service(api, e2e_namespace, doc)
+
+    def known_good() -> dict[str, Any] | None:
+        svc = _ready(api, e2e_namespace, "rb")
+        if not svc:
+            return None
+        st = svc["status"]
+        lkg = (st.get("lastKnownGood") or {}).get("kvCacheMemoryBytes")
+        return svc if lkg and lkg == st["servingFlags"]["kvCacheMemoryBytes"] else None
+
+    good = wait_for(
+        "Ready with last-known-good flags recorded",
+        known_good,
+        240,
+        dump=lambda: get_service(api, e2e_namespace, "rb").get("status"),
+    )["status"]["servingFlags"]
+
+    # The node's driver breaks for the next start of a vLLM container (nothing to do with memory),
+    # and a person changes the safety margin, so rankguard re-plans and rolls the Deployment.
+    node.kubelet.inject_start_faults("vllm", 1, "CUDA error: uncorrectable ECC error encountered")
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "rankguard.io", "v1alpha1", e2e_namespace, "llmservices", "rb",
+        {"spec": {"memory": {"safetyMarginBytes": 1073741824}}},
+    )  # fmt: skip
+
+    seen_degraded: list[str] = []
+
+    def rolled_back_and_ready() -> dict[str, Any] | None:
+        svc = get_service(api, e2e_namespace, "rb")
+        deg = condition(svc, "Degraded")
+        if deg and deg["status"] == "True":
+            seen_degraded.append(deg.get("message", ""))
+        rbs = [r for r in (svc.get("status") or {}).get("remediations", []) if r.get("action") == "Rollback"]
+        return svc if rbs and _ready(api, e2e_namespace, "rb") else None
+
+    svc = wait_for(
+        "a rollback to the last known good flags, then Ready",
+        rolled_back_and_ready,
+        240,
+        dump=lambda: get_service(api, e2e_namespace, "rb").get("status"),
+    )
+    st = svc["status"]
+    rb = [r for r in st["remediations"] if r.get("action") == "Rollback"][-1]
+    assert rb["trigger"] == "EngineError"
+    assert rb["toFlags"] == good
+    assert st["servingFlags"] == good
+    assert "ECC" in rb["message"] and "last known good" in rb["message"]
+    assert any("roll" in m.lower() for m in seen_degraded), seen_degraded

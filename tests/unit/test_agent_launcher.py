@@ -398,3 +398,14 @@ def test_verdicts() -> None:
     assert len(huge.to_json().encode()) <= MAX_TERMINATION_BYTES
     assert json.loads(huge.to_json())["reason"] == CUDA_OOM
     assert rank_of_gpu(None, 4) is None and rank_of_gpu(3, 4) == 3 and rank_of_gpu(3, 0) == 3
+
+
+def test_an_engine_error_carries_the_last_error_line_a_person_needs() -> None:
+    obs = Observer()
+    obs.on_line("INFO 11-29 loading weights")
+    obs.on_line("ERROR 11-29 [core.py:42] RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    obs.on_line("INFO 11-29 shutting down")
+    assert obs.cause is None and obs.last_error is not None and "ECC" in obs.last_error
+    m = decide(1, obs.cause, obs.last_kv, 4, last_error=obs.last_error)
+    assert m.reason == ENGINE_ERROR and m.detail is not None and "ECC" in m.detail
+    assert decide(1, None, None, 4).detail is None  # nothing recognised: nothing invented

@@ -398,3 +398,22 @@ def test_degraded_sticks_until_ready() -> None:
     assert {c["type"]: c for c in s3["conditions"]}["Degraded"]["status"] == "False" and s3[
         "phase"
     ] == "Running"
+
+
+def test_a_rollback_keeps_the_service_degraded_with_the_reason_until_the_next_change() -> None:
+    newer = ServingFlags(kv_cache_memory_bytes=KV - 2 * GiB)
+    rollback = Decision(
+        "rollback", FLAGS, "EngineError", "RolledBack", "vLLM exited with an engine error", from_flags=newer
+    )
+    s1 = status_after(rollback, ROLLING, 0, {}, T0)
+    # Ready again on the last known good flags, and still Degraded: it is not what was asked.
+    s2 = status_after(None, COMPLETE, 1, s1, T1, flags=FLAGS)
+    c2 = {c["type"]: c for c in s2["conditions"]}
+    assert c2["Ready"]["status"] == "True"
+    assert (c2["Degraded"]["status"], c2["Degraded"]["reason"]) == ("True", "RolledBack")
+    assert "engine error" in c2["Degraded"]["message"] and "last known good" in c2["Degraded"]["message"]
+    # The next change (here a shrink after an OOM) clears it once it is ready.
+    shrink = Decision("shrink", newer, "CUDAOutOfMemory", "ShrankKVCache", "shrink", from_flags=FLAGS)
+    s3 = status_after(shrink, ROLLING, 0, s2, T1)
+    s4 = status_after(None, COMPLETE, 1, s3, T1, flags=newer)
+    assert {c["type"]: c for c in s4["conditions"]}["Degraded"]["status"] == "False"

@@ -1,0 +1,169 @@
+"""bench/compare_strategies.py: the three KV strategies over the simulated world.
+
+The bench is a script, not a package, so it is imported from its folder. Every check here
+compares the bench's answers with the world's own (`rankguard_sim.scenario`), so a bench that
+reported the policy's beliefs instead of the world's outcome would fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rankguard_operator.flags import ServingFlags
+from rankguard_operator.headroom import aggregate
+from rankguard_operator.observe import CUDA_OOM
+from rankguard_operator.render import vllm_args
+from rankguard_operator.spec import parse_spec
+from rankguard_sim.scenario import GIB, builtin_names, load_scenario, outcome, true_max_safe_kv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import compare_strategies as cs
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, cs.ScenarioComparison]:
+    return {name: cs.compare(name) for name in cs.GPU_SCENARIOS}
+
+
+def test_the_table_lists_every_gpu_scenario_and_says_why_one_is_skipped(
+    rows: dict[str, cs.ScenarioComparison],
+) -> None:
+    text = cs.render(list(rows.values()))
+    table = cs.render_table(list(rows.values())).splitlines()
+    assert len(table) == 2 + len(cs.GPU_SCENARIOS)
+    for name in cs.GPU_SCENARIOS:
+        assert sum(line.startswith(f"| {name} |") for line in table) == 1
+    assert "Skipped host-oomkilled" in text
+    assert set(cs.GPU_SCENARIOS) | set(cs.SKIPPED) == set(builtin_names())
+
+
+def test_the_default_utilisation_crash_loops_where_the_world_crashes_at_0_92(
+    rows: dict[str, cs.ScenarioComparison],
+) -> None:
+    for name, c in rows.items():
+        crashes_at_default = outcome(load_scenario(name), gpu_memory_utilization=0.92).crashes
+        assert c.default.stable is (not crashes_at_default)
+        if crashes_at_default:
+            assert c.default.capacity is None
+            assert c.default.crashes == c.default.runs == cs.MAX_RUNS
+            assert "crash-loop" in cs.render_table([c])
+
+
+def test_lowering_by_hand_needs_several_crashes_on_tp2_pp2(rows: dict[str, cs.ScenarioComparison]) -> None:
+    human = rows["tp2-pp2"].human
+    assert human.stable
+    assert human.crashes >= 5
+    assert human.runs == human.crashes + 1
+    util = float(human.final_flags.removeprefix("util "))
+    assert util == pytest.approx(0.92 - 0.05 * human.crashes)
+    # the world agrees: the final utilisation survives, one step above it does not
+    scenario = load_scenario("tp2-pp2")
+    assert not outcome(scenario, gpu_memory_utilization=util).crashes
+    assert outcome(scenario, gpu_memory_utilization=round(util + 0.05, 2)).crashes
+    assert human.num_gpu_blocks == outcome(scenario, gpu_memory_utilization=util).num_gpu_blocks
+
+
+def test_rankguard_never_ends_above_the_true_maximum_and_its_final_budget_survives(
+    rows: dict[str, cs.ScenarioComparison],
+) -> None:
+    for name, c in rows.items():
+        scenario = load_scenario(name)
+        truth = true_max_safe_kv(scenario)
+        for rg in (c.rankguard, c.rankguard_no_probe):
+            assert rg.stable, rg.trace
+            assert rg.capacity is not None and 0 < rg.capacity <= 1.0
+            assert rg.num_gpu_blocks <= truth.num_gpu_blocks
+            kv = round(float(rg.final_flags.removeprefix("kv ").removesuffix(" GiB")) * GIB)
+            again = outcome(scenario, kv_cache_memory_bytes=kv)
+            assert not again.crashes
+            # the table's figure is the world's block count for the final budget (to 2-decimal GiB)
+            assert abs(again.num_gpu_blocks - rg.num_gpu_blocks) <= 0.01 * GIB / c.block_bytes + 1
+
+
+def test_rankguard_crashes_at_most_once_and_keeps_more_than_either_baseline(
+    rows: dict[str, cs.ScenarioComparison],
+) -> None:
+    for c in rows.values():
+        assert c.rankguard.crashes <= 1
+        assert c.rankguard_no_probe.crashes == 0
+        assert c.ratio is not None and c.ratio > 1.0
+        assert c.best_baseline == max(c.default.capacity or 0.0, c.human.capacity or 0.0)
+
+
+def test_the_probe_never_raises_the_budget_into_a_crash(rows: dict[str, cs.ScenarioComparison]) -> None:
+    # In every scenario the probe finds ranks lighter than the priors (it cannot see NCCL's
+    # lazily allocated buffers), so it must not raise the budget: no replan, no crash.
+    for c in rows.values():
+        assert c.rankguard.crashes == 0 and c.rankguard_no_probe.crashes == 0
+        assert not any(" replan " in line for line in c.rankguard.trace)
+
+
+def test_the_target_check_can_fail() -> None:
+    c = cs.compare("llama3-70b-tp4")
+    good = replace(c.rankguard, stable=True, crashes=1, capacity=0.98)
+    assert replace(c, rankguard=good).meets_target
+    assert not replace(c, rankguard=replace(good, capacity=0.96)).meets_target
+    assert not replace(c, rankguard=replace(good, capacity=1.01)).meets_target
+    assert not replace(c, rankguard=replace(good, crashes=2)).meets_target
+    assert not replace(c, rankguard=replace(good, stable=False, capacity=None)).meets_target
+    assert "MISSED" in cs.render_table([replace(c, rankguard=replace(good, capacity=0.96))])
+
+
+def test_a_crash_reaches_the_policy_as_the_agent_and_kubelet_report_it() -> None:
+    scenario = load_scenario("tp2-pp2")
+    flags = ServingFlags(kv_cache_memory_bytes=15 * GIB)
+    spec = parse_spec(cs.spec_for(scenario))
+    run = cs.run_world(scenario, cs.engine_args(vllm_args(spec, flags)))
+    assert run.crashed and run.ready
+    [t] = cs.crash_termination(run, flags, pod="p", uid="u", now=cs.T0, n_ranks=scenario.world_size)
+    assert t.kind == CUDA_OOM
+    assert t.rank == run.outcome.rank == 2
+    assert t.flags == flags
+    assert t.total_bytes == pytest.approx(scenario.gpu.total_bytes, rel=1e-3)
+    # figures come from PyTorch's printed message (two decimals), so close to the world's bytes
+    assert run.outcome.requested_bytes is not None and run.outcome.free_bytes is not None
+    assert t.requested_bytes == pytest.approx(run.outcome.requested_bytes, rel=1e-2)
+    assert t.free_bytes == pytest.approx(run.outcome.free_bytes, rel=1e-2)
+
+
+def test_the_agent_report_carries_the_worlds_probe_cost_and_free_memory() -> None:
+    scenario = load_scenario("tp2-pp2")
+    args = cs.engine_args(cs.utilization_argv(scenario, 0.57))
+    run = cs.run_world(scenario, args)
+    assert run.cycle_min_free is not None
+    report = cs.agent_report(scenario, run.idle_free, run.cycle_min_free, cs.T0)
+    obs = aggregate([("p", report, cs.T0)], cs.T0, cs.STALE_AFTER)
+    # rank 2 (a pipeline-terminal rank) has the least free memory at the peak, not rank 0
+    assert obs.bottleneck_rank == 2
+    assert obs.bottleneck is not None and obs.bottleneck.min_free_bytes == min(run.cycle_min_free)
+    for m in obs.measurements:
+        assert m.free_after_init_bytes == scenario.gpu.total_bytes - scenario.comm_init_bytes(m.rank)
+    assert cs.agent_report(scenario, run.idle_free, run.cycle_min_free, cs.T0, probe=False).probe is None
+
+
+def test_a_strategy_that_never_helps_is_cut_off_as_never_stable() -> None:
+    scenario = load_scenario("tp2-pp2")
+    truth = true_max_safe_kv(scenario)
+    r = cs.simulate_utilization(scenario, truth, start=0.9, step=0.01, max_runs=3)
+    assert not r.stable and r.crashes == r.runs == 3 and r.capacity is None
+    assert r.final_flags == "util 0.87"
+
+
+def test_crash_loop_restarts_follow_the_kubelet_back_off() -> None:
+    assert cs.crashloop_restarts(5, 0) == 0
+    assert cs.crashloop_restarts(10, 0) == 1  # restarts at 10, 30, 70, 150, 310, 610 s
+    assert cs.crashloop_restarts(309, 0) == 4
+    assert cs.crashloop_restarts(610, 0) == 6
+    assert cs.crashloop_restarts(300, 120) == 2  # each run also takes its start-up time
+
+
+def test_main_prints_the_table_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cs.main(["--scenario", "tp2-pp2", "--no-trace"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| tp2-pp2 |") == 1
+    assert "(c) rankguard" in out
