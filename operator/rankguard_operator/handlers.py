@@ -42,6 +42,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.peering.standalone = True
+    # kopf would scan CRDs and namespaces for its own bookkeeping; rankguard's account may not
+    # list them (least privilege, docs/rbac.md), and it names its resources explicitly.
+    settings.scanning.disabled = True
     k8s.login()
     start_metrics_server()
 

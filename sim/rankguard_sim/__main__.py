@@ -120,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cluster", help="a local control plane")
     c.add_argument("action", choices=["up", "down"])
     c.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"state folder (default {DEFAULT_DIR})")
+    d = sub.add_parser("demo", help="the narrated local demo")
+    d.add_argument("action", choices=["up", "down"])
+    d.add_argument("--keep", action="store_true", help="keep everything running after the demo")
     args = parser.parse_args(argv)
     if args.cmd == "cluster":
         return cluster_up(args.dir) if args.action == "up" else cluster_down(args.dir)
-    return 2
+    from . import demo  # noqa: PLC0415 - pulls in the kubelet and the scenarios
+
+    return demo.up(keep=args.keep) if args.action == "up" else demo.down()
 
 
 if __name__ == "__main__":
