@@ -42,9 +42,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.peering.standalone = True
-    # kopf would scan CRDs and namespaces for its own bookkeeping; rankguard's account may not
-    # list them (least privilege, docs/rbac.md), and it names its resources explicitly.
-    settings.scanning.disabled = True
+    # kopf scans CRDs and namespaces to resolve namespace patterns (`team-*`). Exact names or
+    # all namespaces need no scan, and the chart's account may not list either (least
+    # privilege, docs/rbac.md); a pattern needs namespaces list/watch, documented there.
+    settings.scanning.disabled = not uses_namespace_patterns(os.environ.get("RANKGUARD_WATCH_NAMESPACES", ""))
     k8s.login()
     start_metrics_server()
 
@@ -67,6 +68,11 @@ def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **
         "status": dict(body.get("status") or {}),
     }
     return {(namespace, service): pod}
+
+
+def uses_namespace_patterns(watch: str) -> bool:
+    """True when RANKGUARD_WATCH_NAMESPACES holds a glob pattern rather than exact names."""
+    return any(ch in watch for ch in "*?[")
 
 
 def _wake(namespace: str | None, labels: kopf.Labels) -> None:

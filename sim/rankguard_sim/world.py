@@ -23,6 +23,7 @@ from kubernetes import client
 from .cluster import ControlPlane, _die_with_parent, free_port
 from .kubelet import ProcessKubelet
 from .testbin import REPO_ROOT
+from .waiting import wait_for
 
 CRD_FILE = REPO_ROOT / "crds" / "llmservice.yaml"
 
@@ -143,12 +144,7 @@ def scenario_gpu_count(scenario: str) -> int:
 def wait_node_schedulable(api: Any, name: str, timeout: float = 90) -> None:
     from .nodes import node_schedulable  # noqa: PLC0415
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node_schedulable(api, name):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"node {name} did not become schedulable within {timeout:.0f}s")
+    wait_for(f"node {name} to become schedulable", lambda: node_schedulable(api, name), timeout, 0.5)
 
 
 def llmservice(api: Any, namespace: str, name: str) -> dict[str, Any]:

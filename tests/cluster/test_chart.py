@@ -20,9 +20,8 @@ from __future__ import annotations
 import json
 import subprocess
 import tarfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from kubernetes.client.rest import ApiException
 
 from rankguard_sim import testbin
 from rankguard_sim.cluster import K8S_VERSION, ControlPlane
+from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -112,17 +112,6 @@ def render(namespace: str, *values: str, release: str = "rg", crds: bool = False
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, every: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def can_i_list(cluster: ControlPlane, namespace: str, account: str) -> set[tuple[str, str]]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,19 +11,9 @@ from kubernetes.client.rest import ApiException
 
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.nodes import heartbeat, node_schedulable, register_node
+from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, every: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def test_deployment_pod_is_scheduled_on_gpu_node_and_namespace_is_collected(

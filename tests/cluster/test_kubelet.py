@@ -22,21 +22,11 @@ from rankguard_sim.fake_vllm import VLLM_VERSION
 from rankguard_sim.kubelet import ProcessKubelet, wait_for_pids_gone
 from rankguard_sim.nodes import node_schedulable
 from rankguard_sim.scenario import load_scenario
+from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
 SCENARIO = "llama3-70b-tp4"
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def start_kubelet(api: client.ApiClient, root: Path, **kwargs: Any) -> ProcessKubelet:

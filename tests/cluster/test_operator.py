@@ -35,6 +35,7 @@ from rankguard_operator.flags import ServingFlags
 from rankguard_operator.spec import parse_spec
 from rankguard_operator.units import parse_bytes
 from rankguard_sim.cluster import ControlPlane, free_port
+from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -53,17 +54,6 @@ MERGE = "application/merge-patch+json"
 
 # --------------------------------------------------------------------------------------------
 # Waiting
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r:.2000}")
 
 
 def now_iso() -> str:

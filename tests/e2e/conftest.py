@@ -5,7 +5,6 @@ that test's scenario, removed afterwards."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,10 +17,12 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import Node, OperatorProcess, install_crd, start_node, wait_node_schedulable
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
+__all__ = ["GROUP", "PLURAL", "VERSION", "apply_service", "condition", "example", "get_service", "wait_for"]
 
 
 @pytest.fixture(scope="session")
@@ -82,24 +83,6 @@ def make_node(api: client.ApiClient, tmp_path: Path) -> Iterator[Callable[..., N
     finally:
         for n in nodes:
             n.stop()
-
-
-def wait_for(
-    what: str,
-    probe: Callable[[], Any],
-    timeout: float = 120,
-    every: float = 0.5,
-    dump: Callable[[], Any] | None = None,
-) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    context = f"\n{json.dumps(dump(), indent=1, default=str)[:6000]}" if dump else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}{context}")
 
 
 def apply_service(api: client.ApiClient, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from pathlib import Path
@@ -331,7 +332,16 @@ def test_the_world_never_imports_the_model() -> None:
     """§3 of the design: the sandbox world must not share code with what it tests."""
     sim = Path(S.__file__).parent
     for path in [*sim.rglob("*.py"), sim / "bin" / "vllm"]:
-        assert "rankguard_operator" not in path.read_text(), path
+        # Running the operator as its own process (world.py, demo.py) is how a cluster runs it;
+        # importing its code would let the world learn the model's answers.
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.split(".")[0] == "rankguard_operator" for n in names), (path, names)
     # The GPU world and the fake vLLM learn nothing from the agent either: it reads their files.
     for name in ("gpus.py", "scenario.py", "fake_vllm.py", "bin/vllm"):
         text = (sim / name).read_text()
