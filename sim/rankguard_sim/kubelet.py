@@ -370,14 +370,15 @@ class ProcessKubelet:
         # A JSON merge patch replaces the status lists whole: the kubelet owns them. The uid
         # is a precondition, as in the kubelet's own patch: a pod re-created under the same
         # name must not get the old one's status.
-        resp = self.core.patch_namespaced_pod_status(
+        # _raw reads the body before the connection goes back to the pool: a connection
+        # returned with an unread body hands the next request that body as its status line.
+        _raw(
+            self.core.patch_namespaced_pod_status,
             name,
             namespace,
             {"metadata": {"uid": uid}, "status": status},
             _content_type="application/merge-patch+json",
-            _preload_content=False,
         )
-        resp.release_conn()
 
     def pod_exists(self, worker: PodWorker) -> bool:
         """Whether the worker's pod (same uid) is still in the API; True when unsure."""
@@ -396,10 +397,7 @@ class ProcessKubelet:
         )
         for attempt in range(10):
             try:
-                resp = self.core.delete_namespaced_pod(
-                    str(meta["name"]), str(meta["namespace"]), body=body, _preload_content=False
-                )
-                resp.release_conn()
+                _raw(self.core.delete_namespaced_pod, str(meta["name"]), str(meta["namespace"]), body=body)
                 return
             except ApiException as e:
                 if e.status in (404, 409):
@@ -524,6 +522,9 @@ class ProcessKubelet:
         finally:
             with self._lock:
                 self._watch_resp = None
+            with contextlib.suppress(Exception):
+                # A watch left mid-stream must not go back to the pool with unread events.
+                resp.close()
             with contextlib.suppress(Exception):
                 resp.release_conn()
         return rv
