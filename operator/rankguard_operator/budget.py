@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -189,3 +190,33 @@ def budget_key(spec: ServiceSpec) -> str:
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# vLLM's own default for --gpu-memory-utilization (vllm-memory-facts.md).
+VLLM_DEFAULT_UTILIZATION = 0.92
+
+
+def startup_utilization(spec: ServiceSpec, kv_cache_memory_bytes: int) -> float | None:
+    """The --gpu-memory-utilization to render NEXT TO a byte budget.
+
+    vLLM's worker checks `free memory at start-up >= total x gpu_memory_utilization` even when
+    --kv-cache-memory-bytes is set (v1 gpu_worker.init_device), with 0.92 by default. After
+    CUDA context and NCCL init a small card under TP can have less than 92 % free (4.5 GiB of
+    NCCL is 19 % of a 24 GB card), and vLLM then refuses to start although the budget fits.
+    The byte budget alone sizes the KV cache, so the utilisation only has to say what vLLM
+    will really use: the bottleneck's runtime non-KV memory plus the budget, as a fraction of
+    its total, rounded up to 0.001 (82 MB on an 80 GiB card, inside the safety margin), and
+    never above vLLM's default. Computed from the spec's prior plan only (never from live
+    measurements), so it changes exactly when the budget or the spec does, and never rolls
+    the Deployment by itself. None (vLLM's default applies) when the GPU size is not in the
+    spec or the spec cannot be planned."""
+    try:
+        plan = initial_plan(spec)
+    except SpecError:
+        return None
+    if plan is None:
+        return None
+    needed = max((r.runtime_non_kv_bytes + kv_cache_memory_bytes) / r.total_bytes for r in plan.ranks)
+    if needed <= 0:
+        return None
+    return min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)

@@ -198,14 +198,21 @@ def _util_text(u: float) -> str:
 def vllm_args(spec: ServiceSpec, flags: ServingFlags) -> list[str]:
     """Arguments after `vllm`: `serve MODEL` and every flag rankguard owns, then extraArgs.
 
-    The byte budget wins when known: with `--kv-cache-memory-bytes` vLLM ignores
-    `--gpu-memory-utilization`, so rendering both would only confuse a reader."""
+    The byte budget wins when known: with `--kv-cache-memory-bytes` vLLM sizes the KV cache
+    from it alone. A utilisation is still rendered next to it for vLLM's start-up check
+    (see budget.startup_utilization), so a small card under TP is not refused at start."""
     e = spec.engine
     args = ["serve", spec.model.name, "--tensor-parallel-size", str(spec.tp)]
     if spec.pp > 1:
         args += ["--pipeline-parallel-size", str(spec.pp)]
     if flags.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(flags.kv_cache_memory_bytes)]
+        # budget imports spec, which imports this module: import at the call.
+        from rankguard_operator.budget import startup_utilization  # noqa: PLC0415
+
+        startup = startup_utilization(spec, flags.kv_cache_memory_bytes)
+        if startup is not None:
+            args += ["--gpu-memory-utilization", _util_text(startup)]
     elif flags.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", _util_text(flags.gpu_memory_utilization)]
     args += ["--max-num-seqs", str(e.max_num_seqs)]

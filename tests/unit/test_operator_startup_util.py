@@ -1,0 +1,73 @@
+"""The utilisation rendered next to a byte budget, for vLLM's start-up check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankguard_operator.budget import VLLM_DEFAULT_UTILIZATION, initial_plan, startup_utilization
+from rankguard_operator.flags import ServingFlags
+from rankguard_operator.render import vllm_args
+from rankguard_operator.spec import parse_spec
+from rankguard_operator.units import GiB
+
+
+def small_cards(**memory: Any) -> Any:
+    # Llama-3-8B, TP2 x PP2 on 24 GiB cards: NCCL alone is a fifth of each card.
+    return parse_spec(
+        {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.11.0",
+            "tensorParallelSize": 2,
+            "pipelineParallelSize": 2,
+            "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
+            "memory": {"gpuMemoryBytes": 24 * GiB, **memory},
+        }
+    )
+
+
+def test_the_startup_check_asks_only_for_what_vllm_will_use_and_fits_every_rank() -> None:
+    spec = small_cards()
+    plan = initial_plan(spec)
+    assert plan is not None
+    kv = plan.kv_cache_memory_bytes
+    u = startup_utilization(spec, kv)
+    assert u is not None and u < VLLM_DEFAULT_UTILIZATION  # the default would refuse to start here
+    for r in plan.ranks:
+        # What vLLM checks at start-up: free after context + NCCL >= u x total. With the
+        # planner's context figure, every rank passes, with room to spare.
+        free_at_start = r.total_bytes - r.context_bytes
+        assert u * r.total_bytes <= free_at_start
+        # and it still covers what the rank really uses besides context and NCCL
+        assert u * r.total_bytes >= r.runtime_non_kv_bytes + kv
+    # default 0.92 on 24 GiB asks for 22.08 GiB, more than a pipeline-terminal rank has free
+    worst_free = min(r.total_bytes - r.context_bytes for r in plan.ranks)
+    assert VLLM_DEFAULT_UTILIZATION * 24 * GiB > worst_free
+
+
+def test_it_is_rendered_next_to_the_byte_budget_and_only_there() -> None:
+    spec = small_cards()
+    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB))
+    i = args.index("--kv-cache-memory-bytes")
+    assert args[i + 1] == str(8 * GiB)
+    assert float(args[args.index("--gpu-memory-utilization") + 1]) == startup_utilization(spec, 8 * GiB)
+    only_util = vllm_args(spec, ServingFlags(gpu_memory_utilization=0.8))
+    assert "--kv-cache-memory-bytes" not in only_util and only_util.count("--gpu-memory-utilization") == 1
+
+
+def test_unknown_gpu_size_leaves_vllms_default() -> None:
+    spec = parse_spec(
+        {"model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"}, "image": "vllm/vllm-openai:v0.11.0"}
+    )
+    assert startup_utilization(spec, 8 * GiB) is None
+    assert "--gpu-memory-utilization" not in vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB))
+
+
+def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
+    spec = parse_spec(
+        {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.11.0",
+            "memory": {"gpuMemoryBytes": 80 * GiB},
+        }
+    )
+    assert startup_utilization(spec, 70 * GiB) == VLLM_DEFAULT_UTILIZATION
