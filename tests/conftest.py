@@ -16,6 +16,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.world import create_namespace
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_FILE = REPO / "crds" / "llmservice.yaml"
@@ -62,16 +63,7 @@ def namespace(api: client.ApiClient, request: pytest.FixtureRequest) -> Iterator
         f"t-{''.join(ch for ch in base if ch.isalnum() or ch == '-')[:40].strip('-')}-{uuid.uuid4().hex[:5]}"
     )
     core = client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": name, "labels": {"rankguard.io/test": "true"}}})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            core.read_namespaced_service_account("default", name)
-            break
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            time.sleep(0.2)
+    create_namespace(api, name, {"rankguard.io/test": "true"})
     try:
         yield name
     finally:

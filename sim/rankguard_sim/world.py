@@ -147,6 +147,18 @@ def wait_node_schedulable(api: Any, name: str, timeout: float = 90) -> None:
     wait_for(f"node {name} to become schedulable", lambda: node_schedulable(api, name), timeout, 0.5)
 
 
+def create_namespace(api: Any, name: str, labels: dict[str, str] | None = None, timeout: float = 30) -> None:
+    """Create a namespace and wait for its `default` ServiceAccount, which pods need and the
+    controller-manager adds a moment later."""
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name, "labels": dict(labels or {})}})
+
+    def has_default_sa() -> bool:
+        return any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items)
+
+    wait_for(f"the default ServiceAccount of namespace {name}", has_default_sa, timeout)
+
+
 def llmservice(api: Any, namespace: str, name: str) -> dict[str, Any]:
     obj = client.CustomObjectsApi(api).get_namespaced_custom_object(
         "rankguard.io", "v1alpha1", namespace, "llmservices", name

@@ -5,7 +5,6 @@ that test's scenario, removed afterwards."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,14 @@ from kubernetes.client.rest import ApiException
 
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
-from rankguard_sim.world import Node, OperatorProcess, install_crd, start_node, wait_node_schedulable
+from rankguard_sim.world import (
+    Node,
+    OperatorProcess,
+    create_namespace,
+    install_crd,
+    start_node,
+    wait_node_schedulable,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
@@ -44,16 +50,7 @@ def operator_process(
 def e2e_namespace(api: client.ApiClient, operator_process: OperatorProcess) -> Iterator[str]:
     core = client.CoreV1Api(api)
     name = f"e2e-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            core.read_namespaced_service_account("default", name)
-            break
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            time.sleep(0.2)
+    create_namespace(api, name)
     try:
         yield name
     finally:
