@@ -6,17 +6,25 @@ simulated world until one run survives the scenario's whole load pattern:
   (a) vLLM's default --gpu-memory-utilization 0.92, never changed: a setup that crashes at
       0.92 crash-loops forever;
   (b) a person lowering --gpu-memory-utilization by 0.05 after every OOM, from 0.92;
-  (c) rankguard: the operator's pure policy (`rankguard_operator.policy.decide`) fed what the
-      real loop feeds it: the spec, the flags in effect, the history, terminations built from
-      the engine's printed failure by the agent's own recognisers and the kubelet's status
-      shape, and observations built from agent reports whose per-rank figures come from the
-      world (its probe cost after NCCL init and its free memory, replayed phase by phase).
+  (c) rankguard: the operator's own reconcile step (`rankguard_operator.core.reconcile.step`),
+      one call per operator pass, on what the edge would hand it: the LLMService's spec and
+      status, the Deployment it applied (with a Deployment controller's status), the pod made
+      from that Deployment's template (its termination built from the engine's printed failure
+      by the agent's own recognisers, in the kubelet's status shape), and agent reports whose
+      per-rank figures come from the world (its probe cost after NCCL init and its free
+      memory, replayed phase by phase). The step's effects are carried out on those objects,
+      and the next pass starts from the status as the API server would store it.
+
+Every run starts the engine from a `vllm serve` command line, resolved by the fake vLLM's own
+parser (`rankguard_sim.vllm_args.engine_config_from_argv`); rankguard's runs take theirs from
+the pod, i.e. from the Deployment the step rendered.
 
 Each strategy reports the OOM crashes until stable and the KV capacity it keeps, in KV
 blocks, as a share of the world's true maximum safe capacity
-(`rankguard_sim.scenario.true_max_safe_kv`). The world is `rankguard_sim.scenario`, the same
-memory model the fake vLLM executes; the policy never sees it except through the figures an
-agent and a kubelet would report.
+(`rankguard_sim.engine_outcome.true_max_safe_kv`). The world is `rankguard_sim.engine_memory`
+over the scenario files (`rankguard_sim.scenario_file`), the same memory model the fake vLLM
+executes; the operator never sees it except through the figures an agent and a kubelet would
+report.
 
     .venv/bin/python bench/compare_strategies.py [--scenario NAME ...]
 
@@ -26,14 +34,14 @@ Deterministic and pure (no clock, no I/O but stdout); exits 0 unless something r
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import logging
 import sys
-from argparse import Namespace
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rankguard_agent import verdict as agent_verdict
 from rankguard_agent.launcher import Observer
 from rankguard_agent.report import (
     REPORT_VERSION,
@@ -44,30 +52,21 @@ from rankguard_agent.report import (
     parse_report,
 )
 from rankguard_agent.sampler import DEFAULT_WINDOW_SECONDS
-from rankguard_agent.verdict import decide as termination_verdict
-from rankguard_operator import policy
-from rankguard_operator.budget import budget_key
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.headroom import Observation, aggregate
-from rankguard_operator.history import Remediation
-from rankguard_operator.observe import RolloutState, Termination, format_time, terminations
-from rankguard_operator.render import FLAGS_ANNOTATION, VLLM_CONTAINER, vllm_args
-from rankguard_operator.spec import ServiceSpec, parse_spec
-from rankguard_sim.fake_vllm import config_from_args, failure_lines, parse_args
-from rankguard_sim.scenario import (
-    GIB,
-    EngineFailure,
-    EngineMemoryModel,
-    Outcome,
-    PureLedger,
-    SafeCapacity,
-    Scenario,
-    builtin_names,
-    load_scenario,
-    outcome,
-    rank_memory,
-    true_max_safe_kv,
-)
+from rankguard_agent.termination import TerminationMessage
+from rankguard_operator.core import policy, reconcile
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash, format_time
+from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
+from rankguard_operator.core.spec import parse_spec
+from rankguard_sim.engine_config import EngineConfig
+from rankguard_sim.engine_failures import EngineFailure
+from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
+from rankguard_sim.engine_outcome import Outcome, SafeCapacity, outcome_for_config, true_max_safe_kv
+from rankguard_sim.scenario_data import GIB, Scenario
+from rankguard_sim.scenario_file import builtin_names, load_scenario
+from rankguard_sim.vllm_args import engine_config_from_argv
+from rankguard_sim.vllm_console import failure_lines
 
 # The scenarios whose failure is GPU memory. host-oomkilled fails on HOST memory (the
 # container's cgroup limit); its GPU never runs out at any of these utilisations, so "OOM
@@ -96,7 +95,7 @@ PASS_SECONDS = 30.0  # operator passes after a run survived (the real loop runs 
 # After a run survives, the policy is asked again for this long before the result counts as
 # stable: long enough for a low-headroom shrink (60 s sustained), a held action (cooldown
 # 300 s) and a reclaim (30 min of ample headroom) to happen if the policy wants one.
-SETTLE_SECONDS = 2 * policy.RECLAIM_AFTER_SECONDS
+SETTLE_SECONDS = 2 * RECLAIM_AFTER_SECONDS
 STALE_AFTER = 30.0  # the operator's default RANKGUARD_STALE_AFTER
 TRACE_CHARS = 240  # a decision's message in the trace is cut here
 # The kubelet's CrashLoopBackOff: 10 s, doubling, capped at 5 min.
@@ -105,12 +104,12 @@ BACKOFF_CAP_SECONDS = 300.0
 
 
 # ---------------------------------------------------------------------------------------------
-# The world: one run of a flag set, with what an agent on each GPU would have seen
+# The world: one run of a `vllm serve` command line, with what an agent on each GPU would see
 
 
 @dataclass(frozen=True)
 class WorldRun:
-    outcome: Outcome  # the world's verdict (rankguard_sim.scenario.outcome)
+    outcome: Outcome  # the world's verdict (rankguard_sim.engine_outcome.outcome_for_config)
     ready: bool  # start-up finished: /health answers and the operator scrapes the agent
     idle_free: tuple[int, ...]  # per rank, free memory once started (before the load)
     startup_min_free: tuple[int, ...]  # per rank, the lowest free memory during start-up
@@ -134,9 +133,10 @@ class _WatchedLedger(PureLedger):
         self.low[rank] = min(self.low[rank], self.free(rank))
 
 
-def engine_args(argv: Sequence[str]) -> Namespace:
-    """Parse a `vllm serve` command line exactly as the fake vLLM does."""
-    return parse_args(list(argv))
+def engine_config(scenario: Scenario, argv: Sequence[str]) -> EngineConfig:
+    """What `vllm serve ARGV` configures on this scenario: the fake vLLM's own parser and
+    resolution, with none of vLLM's environment switches set (the rendered pod sets none)."""
+    return engine_config_from_argv(scenario, argv, env={})
 
 
 def utilization_argv(scenario: Scenario, utilization: float) -> list[str]:
@@ -147,29 +147,18 @@ def utilization_argv(scenario: Scenario, utilization: float) -> list[str]:
     return [*argv, "--gpu-memory-utilization", repr(utilization)]
 
 
-def run_world(scenario: Scenario, args: Namespace) -> WorldRun:
-    """Start the engine on empty GPUs and walk one full load cycle, as the fake vLLM does.
+def run_world(scenario: Scenario, argv: Sequence[str]) -> WorldRun:
+    """Start `vllm serve ARGV` on empty GPUs and walk one full load cycle, as the fake vLLM does.
 
-    The verdict is the world's own `outcome()`. The per-rank free figures come from replaying
-    the same `EngineMemoryModel` over a ledger that keeps each GPU's minimum, and the two must
-    agree (they are the same model; a disagreement is a bug in this benchmark).
+    The verdict is the world's own `outcome_for_config()`. The per-rank free figures come from
+    replaying the same `EngineMemoryModel` over a ledger that keeps each GPU's minimum, and the
+    two must agree (they are the same model; a disagreement is a bug in this benchmark).
     """
-    verdict = outcome(
-        scenario,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enforce_eager=bool(args.enforce_eager),
-        disable_custom_all_reduce=args.disable_custom_all_reduce,
-    )
+    config = engine_config(scenario, argv)
+    verdict = outcome_for_config(scenario, config)
     ranks = range(scenario.world_size)
     ledger = _WatchedLedger([scenario.gpu.total_bytes] * scenario.world_size)
-    engine = EngineMemoryModel(scenario, config_from_args(scenario, args), ledger)
+    engine = EngineMemoryModel(scenario, config, ledger)
     failure: EngineFailure | None = None
     ready = False
     idle: tuple[int, ...] = ()
@@ -187,7 +176,9 @@ def run_world(scenario: Scenario, args: Namespace) -> WorldRun:
     except EngineFailure as exc:
         failure = exc
     if (failure is not None) != verdict.crashes or (failure is not None and failure.rank != verdict.rank):
-        raise AssertionError(f"{scenario.name}: replay disagrees with outcome() ({failure!r} vs {verdict})")
+        raise AssertionError(
+            f"{scenario.name}: replay disagrees with outcome_for_config() ({failure!r} vs {verdict})"
+        )
     return WorldRun(
         outcome=verdict,
         ready=ready,
@@ -273,7 +264,7 @@ def simulate_utilization(
     crashes = 0
     trace: list[str] = []
     for run in range(1, max_runs + 1):
-        o = run_world(scenario, engine_args(utilization_argv(scenario, util))).outcome
+        o = run_world(scenario, utilization_argv(scenario, util)).outcome
         if not o.crashes:
             trace.append(f"run {run}: util {util:g} survives with {o.num_gpu_blocks:,} blocks")
             return StrategyResult(
@@ -305,7 +296,10 @@ def simulate_utilization(
 
 
 # ---------------------------------------------------------------------------------------------
-# (c) rankguard: the operator's pure policy in the loop the operator runs
+# (c) rankguard: the operator's reconcile step, pass after pass, on the simulated cluster
+
+NAMESPACE = "bench"
+AGENT_IMAGE = "ghcr.io/rankguard/agent:bench"  # only rendered into the init container
 
 
 def spec_for(scenario: Scenario, *, probe: bool = True) -> dict[str, Any]:
@@ -372,55 +366,118 @@ def agent_report(
     return parse_report(report.to_json())
 
 
-def crash_termination(
-    run: WorldRun, flags: ServingFlags, *, pod: str, uid: str, now: float, n_ranks: int
-) -> list[Termination]:
-    """What the operator reads after the engine died: the agent's launcher scans the engine's
-    output with its recognisers and writes its termination message; the kubelet puts it in the
-    pod's lastState; `observe.terminations` reads it back, with the pod's flags annotation."""
+# ---------------------------------------------------------------------------------------------
+# The cluster's side: the pod, its termination, the Deployment controller's status
+
+
+def termination_message(run: WorldRun, n_ranks: int) -> TerminationMessage:
+    """What the agent's launcher writes when the engine dies: it scans the engine's output with
+    its recognisers and maps the exit to its JSON termination message."""
     seen = Observer()
     for line in run.failure_lines:
         seen.on_line(line)
-    message = termination_verdict(1, seen.cause, seen.last_kv, n_ranks)
-    pod_doc = {
+    return agent_verdict.termination_message(1, seen.cause, seen.last_kv, n_ranks)
+
+
+def _ready_condition(ready: bool) -> dict[str, str]:
+    return {"type": "Ready", "status": "True" if ready else "False"}
+
+
+def new_pod(deployment: Mapping[str, Any], name: str, uid: str, ip: str) -> dict[str, Any]:
+    """The pod the Deployment controller makes from the template the Deployment holds (its
+    annotations carry the template hash and the serving flags), started, not Ready yet."""
+    template = deployment["spec"]["template"]
+    meta = template["metadata"]
+    return {
         "metadata": {
-            "name": pod,
+            "name": name,
             "uid": uid,
-            "annotations": {FLAGS_ANNOTATION: json.dumps(flags.to_status())},
+            "labels": dict(meta.get("labels") or {}),
+            "annotations": dict(meta.get("annotations") or {}),
         },
+        "spec": template["spec"],
         "status": {
+            "podIP": ip,
+            "conditions": [_ready_condition(False)],
             "containerStatuses": [
-                {
-                    "name": VLLM_CONTAINER,
-                    "restartCount": 1,
-                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                    "lastState": {
-                        "terminated": {
-                            "exitCode": message.exit_code,
-                            "reason": "Error",
-                            "message": message.to_json(),
-                            "finishedAt": format_time(now),
-                        }
-                    },
-                }
-            ]
+                {"name": VLLM_CONTAINER, "ready": False, "restartCount": 0, "state": {"running": {}}}
+            ],
         },
     }
-    return terminations(pod_doc)
 
 
-def _rollout(ready: bool) -> RolloutState:
-    n = 1 if ready else 0
-    return RolloutState(
-        phase="complete" if ready else "progressing",
-        replicas=1,
-        updated_replicas=1,
-        ready_replicas=n,
-        available_replicas=n,
-        observed=True,
-        template_matches=True,
-        reason="Complete" if ready else "Progressing",
-    )
+def with_ready(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod once vLLM answers /health: Ready."""
+    status = pod["status"]
+    statuses = [{**c, "ready": True} for c in status["containerStatuses"]]
+    return {
+        **pod,
+        "status": {**status, "conditions": [_ready_condition(True)], "containerStatuses": statuses},
+    }
+
+
+def crashed(
+    pod: Mapping[str, Any], run: WorldRun, *, restarts: int, now: float, n_ranks: int
+) -> dict[str, Any]:
+    """The pod after its vLLM container died `restarts` times (the kubelet backing off): not
+    Ready, the last run's end in lastState, its message the agent's JSON termination message."""
+    message = termination_message(run, n_ranks)
+    container = {
+        "name": VLLM_CONTAINER,
+        "ready": False,
+        "restartCount": restarts,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {
+            "terminated": {
+                "exitCode": message.exit_code,
+                "reason": "Error",
+                "message": message.to_json(),
+                "finishedAt": format_time(now),
+            }
+        },
+    }
+    status = {**pod["status"], "conditions": [_ready_condition(False)], "containerStatuses": [container]}
+    return {**pod, "status": status}
+
+
+def pod_argv(pod: Mapping[str, Any]) -> list[str]:
+    """The `vllm` command line the pod runs: its vLLM container's command after the agent's
+    launcher (`python3 -m rankguard_agent launch … -- vllm ARGS`)."""
+    [container] = [c for c in pod["spec"]["containers"] if c["name"] == VLLM_CONTAINER]
+    command = list(container["command"])
+    at = command.index("--")
+    if command[at + 1] != "vllm":
+        raise AssertionError(f"the launcher does not start vllm: {command}")
+    return command[at + 2 :]
+
+
+def deployment_status(deployment: Mapping[str, Any], *, ready: bool) -> dict[str, int]:
+    """The Deployment controller's status once the pod of the current template exists:
+    generation observed, every replica updated, ready and available when the pod is Ready.
+    (One pod: `spec_for` asks for one replica.)"""
+    replicas = int(deployment["spec"]["replicas"])
+    up = replicas if ready else 0
+    return {
+        "observedGeneration": int(deployment["metadata"]["generation"]),
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": up,
+        "availableReplicas": up,
+    }
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies a status patch: objects merge key by
+    key, a None value removes the key, anything else replaces."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 def crashloop_restarts(wait_seconds: float, run_seconds: float) -> int:
@@ -435,29 +492,126 @@ def crashloop_restarts(wait_seconds: float, run_seconds: float) -> int:
 
 
 class RankguardLoop:
-    """The operator's loop for one LLMService, with the world in place of the cluster.
+    """The operator for one LLMService, with the simulated world in place of the cluster.
 
-    State carried between passes is what `.status` carries: the flags in effect, last known
-    good, the remediation history, and the low/ample headroom clocks (reset on every roll).
+    Each pass calls the operator's own `reconcile.step`, as the edge executor does, with a World
+    of the LLMService's spec, the Deployment and the pod in API form, and the agent's report of
+    each pod `reconcile.scrape_targets` names. The step's effects are carried out, in order, on
+    the objects held here, which stand in for the API server: the intent and status patches are
+    merged into `status` (RFC 7386), a Deployment apply lands as `reconcile.after_apply` says,
+    Events are kept, the Service is noted. The next pass starts from `status` as stored (its
+    typed reading must equal the `Step.state` the step announced).
+
+    The bench plays the Deployment controller and the kubelet: one pod, made from the template
+    the Deployment holds and replaced when the step rolls another template (`rolled`).
     """
 
     def __init__(self, scenario: Scenario, *, probe: bool = True) -> None:
         self.scenario = scenario
-        self.spec: ServiceSpec = parse_spec(spec_for(scenario, probe=probe))
-        self.key = budget_key(self.spec)
+        self.spec_doc = spec_for(scenario, probe=probe)
+        self.spec = parse_spec(self.spec_doc)
+        self.settings = reconcile.Settings(agent_image=AGENT_IMAGE, stale_after=STALE_AFTER)
         self.now = T0
-        self.history: list[Remediation] = []
-        self.lkg: ServingFlags | None = None
-        self.low: float | None = None
-        self.ample: float | None = None
+        self.status: dict[str, Any] = {}  # the LLMService's .status as stored
+        self.state = reconcile.ServiceState()
+        self.deployment: dict[str, Any] | None = None
+        self.service: Mapping[str, Any] | None = None
+        self.pod: dict[str, Any] | None = None
+        self.events: list[reconcile.PostEvent] = []
         self.trace: list[str] = []
-        first = policy.decide(
-            policy.PolicyInput(spec=self.spec, now=self.now, plan=policy.initial_plan(self.spec))
-        )
-        self.current: ServingFlags = first.flags
+        self._ids = itertools.count(1)
         self._held: set[tuple[str | None, str]] = set()
-        self.note(first)
+        self.operator_pass()  # `kubectl apply`: the first pass renders the initial flags
 
+    # ---------------------------------------------------------------- the operator's side
+    def operator_pass(
+        self, free: Sequence[int] | None = None, min_free: Sequence[int] | None = None
+    ) -> policy.Decision:
+        """One pass at `now`. `free`/`min_free`: what the agent of a Ready pod reports (per rank,
+        free memory and its window minimum); None when there is nothing to scrape."""
+        pods = [self.pod] if self.pod is not None else []
+        reports: list[reconcile.ReportInput] = []
+        if free is not None:
+            assert min_free is not None
+            probe = self.spec.agent.probe
+            for name, _ip, _port in reconcile.scrape_targets(self.spec_doc, self.deployment, pods):
+                report = agent_report(self.scenario, free, min_free, self.now, probe=probe)
+                reports.append((name, report, self.now))
+        world = reconcile.World(
+            name=self.scenario.name,
+            namespace=NAMESPACE,
+            uid=f"uid-llmservice-{self.scenario.name}",
+            generation=1,
+            spec=self.spec_doc,
+            now=self.now,
+            new_id=f"r{next(self._ids)}",
+            deployment=self.deployment,
+            pods=pods,
+            reports=reports,
+        )
+        step = reconcile.step(self.state, world, self.settings)
+        for effect in step.effects:
+            self._carry_out(effect)
+        stored = reconcile.ServiceState.from_status(self.status)
+        if replace(stored, raw={}) != replace(step.state, raw={}):
+            raise AssertionError(f"the status as stored is not the step's state:\n{stored}\n{step.state}")
+        self.state = stored
+        d = step.decision
+        if d is None:
+            raise AssertionError(f"the step refused the spec: {self.status.get('conditions')}")
+        if d.changes_flags:
+            self.note(d)
+            self._held.clear()
+        elif d.action == "hold":
+            self.hold(d)
+        return d
+
+    def _carry_out(self, effect: reconcile.Effect) -> None:
+        if isinstance(effect, reconcile.WriteIntent):
+            self.status = merge_patch(self.status, {"pendingRemediation": dict(effect.pending)})
+        elif isinstance(effect, reconcile.ApplyDeployment):
+            self.deployment = reconcile.after_apply(self.deployment, effect.body)
+        elif isinstance(effect, reconcile.PostEvent):
+            self.events.append(effect)
+        elif isinstance(effect, reconcile.ApplyService):
+            self.service = effect.body
+        elif isinstance(effect, reconcile.WriteStatus):
+            self.status = merge_patch(self.status, effect.patch)
+
+    @property
+    def flags(self) -> ServingFlags:
+        """The flags in effect (`status.servingFlags`)."""
+        flags = self.state.serving_flags
+        assert flags is not None
+        return flags
+
+    # ------------------------------------------------------ the controller and kubelet's side
+    @property
+    def rolled(self) -> bool:
+        """The Deployment holds another template than the pod's: the controller replaces it."""
+        return self.pod is None or carried_template_hash(self.pod) != deployment_template_hash(
+            self.deployment
+        )
+
+    def start_pod(self, run_no: int) -> list[str]:
+        """A new pod from the Deployment's template; returns the `vllm` command line it runs."""
+        assert self.deployment is not None
+        name = f"{self.scenario.name}-{run_no}"
+        self.pod = new_pod(self.deployment, name, f"uid-{name}", f"10.0.0.{run_no}")
+        self.deployment["status"] = deployment_status(self.deployment, ready=False)
+        return pod_argv(self.pod)
+
+    def pod_ready(self) -> None:
+        assert self.pod is not None and self.deployment is not None
+        self.pod = with_ready(self.pod)
+        self.deployment["status"] = deployment_status(self.deployment, ready=True)
+
+    def pod_crashed(self, run: WorldRun, restarts: int) -> None:
+        assert self.pod is not None and self.deployment is not None
+        self.pod = crashed(self.pod, run, restarts=restarts, now=self.now, n_ranks=self.scenario.world_size)
+        self.deployment["status"] = deployment_status(self.deployment, ready=False)
+
+    # ------------------------------------------------------------------------------ trace
     def note(self, d: policy.Decision) -> None:
         message = d.message if len(d.message) <= TRACE_CHARS else d.message[: TRACE_CHARS - 1] + "…"
         self.trace.append(
@@ -471,54 +625,6 @@ class RankguardLoop:
             self._held.add(key)
             self.note(d)
 
-    def decide(
-        self, observation: Observation, terms: Sequence[Termination] = (), *, ready: bool
-    ) -> policy.Decision:
-        """One operator pass: track the headroom clocks, plan (with probe figures when the
-        observation carries them), decide."""
-        self.low = policy.track_low_headroom(self.low, observation, self.spec, self.now)
-        self.ample = policy.track_ample_headroom(self.ample, observation, self.spec, self.now)
-        rollout = _rollout(ready)
-        d = policy.decide(
-            policy.PolicyInput(
-                spec=self.spec,
-                now=self.now,
-                current=self.current,
-                last_known_good=self.lkg,
-                observation=observation,
-                new_terminations=tuple(terms),
-                rollout=rollout,
-                history=tuple(self.history),
-                plan=policy.initial_plan(self.spec, observation),
-                low_headroom_since=self.low,
-                ample_headroom_since=self.ample,
-                budget_key=self.key,
-            )
-        )
-        if not d.changes_flags:
-            self.lkg = policy.next_last_known_good(
-                self.lkg,
-                self.current,
-                spec=self.spec,
-                rollout=rollout,
-                observation=observation,
-                terminations=terms,
-            )
-        return d
-
-    def apply(self, d: policy.Decision) -> None:
-        """Roll the Deployment to the decision's flags; a new revision restarts the clocks."""
-        self.note(d)
-        if d.is_remediation:
-            self.history.append(d.remediation(self.now))
-        self.current = d.flags
-        self.low = self.ample = None
-        self._held.clear()
-
-    def observe(self, pod: str, free: Sequence[int], min_free: Sequence[int]) -> Observation:
-        report = agent_report(self.scenario, free, min_free, self.now, probe=self.spec.agent.probe)
-        return aggregate([(pod, report, self.now)], self.now, STALE_AFTER)
-
 
 def describe_flags(flags: ServingFlags) -> str:
     if flags.kv_cache_memory_bytes is not None:
@@ -531,65 +637,61 @@ def describe_flags(flags: ServingFlags) -> str:
 def simulate_rankguard(
     scenario: Scenario, truth: SafeCapacity, *, probe: bool = True, max_runs: int = MAX_RUNS
 ) -> StrategyResult:
-    """rankguard from `kubectl apply` until a run survives the load and the policy keeps it.
+    """rankguard from `kubectl apply` until a run survives the load and the operator keeps it.
 
-    Per run: the pod starts; once vLLM is up the operator scrapes the agent before the load
-    arrives (the scenarios idle for seconds; the operator passes every 2 s), so a decision
-    taken then (the probe-measured replan) replaces the pod before it could crash. A crash is
-    then read from the termination. A run that survives is kept under observation for
-    SETTLE_SECONDS; any change the policy makes then (a low-headroom shrink, a reclaim) rolls
-    a new run.
+    Per run: the pod starts from the Deployment's template; once vLLM is up the operator
+    scrapes the agent before the load arrives (the scenarios idle for seconds; the operator
+    passes every 2 s), so a change decided then (the probe-measured replan) replaces the pod
+    before it could crash. A crash is then read from the pod's termination. A run that
+    survives is kept under observation for SETTLE_SECONDS; any change the operator makes then
+    (a low-headroom shrink, a reclaim) rolls a new run.
     """
     loop = RankguardLoop(scenario, probe=probe)
     crashes = runs = 0
     load = scenario.load
     for run_no in range(1, max_runs + 1):
         runs = run_no
-        flags = loop.current
-        run = run_world(scenario, engine_args(vllm_args(loop.spec, flags)))
-        pod, uid = f"{scenario.name}-{run_no}", f"uid-{scenario.name}-{run_no}"
+        flags = loop.flags
+        run = run_world(scenario, loop.start_pod(run_no))
         loop.now += STARTUP_SECONDS
         if run.ready:
-            d = loop.decide(loop.observe(pod, run.idle_free, run.startup_min_free), ready=True)
-            if d.changes_flags:
-                loop.apply(d)  # rolled before the load arrives
-                continue
+            loop.pod_ready()
+            loop.operator_pass(run.idle_free, run.startup_min_free)
+            if loop.rolled:
+                continue  # rolled before the load arrives
         if run.crashed:
             crashes += 1
             if run.ready:
                 loop.now += load.idle_seconds + load.ramp_seconds
             loop.trace.append(f"t+{loop.now - T0:.0f}s run {run_no} crashed: {_crash_text(run.outcome)}")
-            terms = crash_termination(run, flags, pod=pod, uid=uid, now=loop.now, n_ranks=scenario.world_size)
-            no_report = aggregate([], loop.now, STALE_AFTER)  # a crashed pod is not Ready: nothing to scrape
-            d = loop.decide(no_report, terms, ready=False)
+            restarts = 1
+            loop.pod_crashed(run, restarts)
+            d = loop.operator_pass()  # a crashed pod is not Ready: nothing to scrape
             while d.action == "hold" and d.retry_after is not None:
-                loop.hold(d)
                 # the kubelet keeps restarting the container under the same flags meanwhile
-                crashes += crashloop_restarts(d.retry_after, STARTUP_SECONDS)
+                more = crashloop_restarts(d.retry_after, STARTUP_SECONDS)
+                crashes += more
+                restarts += more
                 loop.now += d.retry_after
-                d = loop.decide(no_report, terms, ready=False)
-            if not d.changes_flags:
-                loop.note(d)
-                break  # degraded: the policy has nothing left to change
-            loop.apply(d)
+                loop.pod_crashed(run, restarts)
+                d = loop.operator_pass()
+            if not loop.rolled:
+                if d.action != "hold":
+                    loop.note(d)
+                break  # degraded: the operator has nothing left to change
             continue
         # Survived a full load cycle. The agent's 60 s window covers a whole cycle, so every
-        # later scrape shows the cycle's minimum; keep asking until the policy has had its say.
+        # later scrape shows the cycle's minimum; keep passing until the operator has had its say.
         assert run.cycle_min_free is not None
         low = run.cycle_min_free
         loop.now += load.cycle_seconds
         survived_at = loop.now
-        changed = False
         while loop.now - survived_at <= SETTLE_SECONDS:
-            d = loop.decide(loop.observe(pod, run.idle_free, low), ready=True)
-            if d.changes_flags:
-                loop.apply(d)
-                changed = True
+            loop.operator_pass(run.idle_free, low)
+            if loop.rolled:
                 break
-            if d.action == "hold":
-                loop.hold(d)
             loop.now += PASS_SECONDS
-        if changed:
+        if loop.rolled:
             continue
         bottleneck = min(range(scenario.world_size), key=lambda r: (low[r], r))
         loop.trace.append(
@@ -614,7 +716,7 @@ def simulate_rankguard(
         runs=runs,
         num_gpu_blocks=0,
         capacity=None,
-        final_flags=describe_flags(loop.current),
+        final_flags=describe_flags(loop.flags),
         trace=tuple(loop.trace),
     )
 
@@ -626,8 +728,8 @@ def simulate_rankguard(
 def compare(name: str) -> ScenarioComparison:
     scenario = load_scenario(name)
     truth = true_max_safe_kv(scenario)
-    args = engine_args(utilization_argv(scenario, VLLM_DEFAULT_UTILIZATION))
-    block_bytes = min(r.block_bytes for r in rank_memory(scenario, config_from_args(scenario, args)))
+    config = engine_config(scenario, utilization_argv(scenario, VLLM_DEFAULT_UTILIZATION))
+    block_bytes = min(r.block_bytes for r in rank_memory(scenario, config))
     return ScenarioComparison(
         scenario=name,
         truth=truth,
@@ -691,13 +793,14 @@ NOTES = """\
 Each cell: OOM crashes until stable · KV blocks kept, as a share of the true maximum · final flags.
 Stable: a run survives the scenario's whole load pattern (ramp to the peak batch, hold); for
 rankguard also {settle:.0f} more minutes of operator passes without a change. The true maximum is
-rankguard_sim.scenario.true_max_safe_kv: per rank, total − every non-KV byte − the peak transient.
-(a) never changes the flags, so a setup that crashes at 0.92 crash-loops (cut off after {runs} runs)
-and keeps no capacity that survives the load: 0 %. (b) lowers the utilisation by 0.05 per OOM.
-(c) runs the operator's pure policy with spec.memory.gpuMemoryBytes set: a plan from priors, a
-replan from the agent's probe once the pod is up, each crash read from its termination message;
-the guard rails apply (cooldown {cooldown} s, {per_hour} changes per hour) and simulated time moves
-past them ({startup:.0f} s per start, nominal)."""
+rankguard_sim.engine_outcome.true_max_safe_kv: per rank, total − every non-KV byte − the peak
+transient. (a) never changes the flags, so a setup that crashes at 0.92 crash-loops (cut off after
+{runs} runs) and keeps no capacity that survives the load: 0 %. (b) lowers the utilisation by 0.05
+per OOM. (c) runs the operator's reconcile step (rankguard_operator.core.reconcile.step) once per
+pass with spec.memory.gpuMemoryBytes set: a plan from priors, a replan from the agent's probe once
+the pod is up, each crash read from the pod's termination message, every run started from the
+command line in the Deployment the step applied; the guard rails apply (cooldown {cooldown} s,
+{per_hour} changes per hour) and simulated time moves past them ({startup:.0f} s per start, nominal)."""
 
 
 def render(rows: Sequence[ScenarioComparison], *, traces: bool = True) -> str:

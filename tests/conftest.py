@@ -6,20 +6,15 @@ test runs, so `pytest tests/unit` never needs the binaries.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.world import create_namespace
-
-REPO = Path(__file__).resolve().parents[1]
-CRD_FILE = REPO / "crds" / "llmservice.yaml"
+from rankguard_sim.world import create_namespace, install_crd
 
 
 @pytest.fixture(scope="session")
@@ -43,15 +38,9 @@ def api(cluster: ControlPlane) -> Iterator[client.ApiClient]:
 
 @pytest.fixture(scope="session")
 def crd(cluster: ControlPlane) -> str:
-    """Install the LLMService CRD from crds/ and wait until the API serves it."""
-    cluster.kubectl("apply", "--server-side", "--field-manager=rankguard-tests", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/llmservices.rankguard.io")
-    # Established can precede discovery by a moment; kubectl get must know the resource.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if cluster.kubectl("get", "llmservices", "-A", check=False).returncode == 0:
-            break
-        time.sleep(0.3)
+    """Install the LLMService CRD from crds/ and wait until API discovery serves it. The same
+    install as the e2e tier's and the demo's (one field manager), whichever tier runs first."""
+    install_crd(cluster)
     return "llmservices.rankguard.io"
 
 

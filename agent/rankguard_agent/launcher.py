@@ -31,7 +31,7 @@ from rankguard_agent.report import ProbeResult
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
 from rankguard_agent.termination import SIGNALED, TerminationMessage
-from rankguard_agent.verdict import decide
+from rankguard_agent.verdict import termination_message
 
 log = logging.getLogger("rankguard_agent.launcher")
 
@@ -316,7 +316,9 @@ class Launcher:
         except OSError as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126  # what a shell answers
             log.error("cannot start %s: %s", cmd[0] if cmd else "(nothing)", e)
-            message = decide(code, None, None, runtime.n_ranks(), launch_error=f"cannot start {cmd[:1]}: {e}")
+            message = termination_message(
+                code, None, None, runtime.n_ranks(), launch_error=f"cannot start {cmd[:1]}: {e}"
+            )
             write_termination_log(self.cfg.termination_log, message)
             return code
         log.info("engine started (pid %d): %.300s", child.pid, " ".join(cmd))
@@ -333,7 +335,7 @@ class Launcher:
         if stuck:
             log.warning("the engine's output pipes stayed open after it exited; stopped reading them")
             await asyncio.gather(*stuck, return_exceptions=True)
-        message = decide(
+        message = termination_message(
             returncode,
             self.observer.cause,
             self.observer.last_kv,

@@ -10,9 +10,9 @@ agent. The parent only spawns, waits and collects: a rank that fails is reported
 others (blocked in a rendezvous or a collective with the dead rank) are killed after a
 short grace, so the probe cannot hang. An overall deadline bounds everything else.
 
-On CPU the memory comes from the simulated GPUs (docs/sim-world.md): each rank "pays" its
-device's `comm_init_bytes` by holding a procs file during init, as a real NCCL init
-would hold device memory, and removes it before exiting.
+Each rank holds its GPU backend's `communicator_init` around init and warm-up: nothing on
+real GPUs (NCCL allocates by itself), the world's communicator cost on simulated ones,
+which is why a CPU (gloo) probe needs a simulated backend to measure anything.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rankguard_agent.gpu import SIM_ROOT_ENV, GpuUnavailable, open_backend
+from rankguard_agent.gpu import GpuBackend, GpuUnavailable, open_backend, release_communicators
 from rankguard_agent.report import MAX_RANKS, ProbeRank, ProbeResult
 
 log = logging.getLogger("rankguard_agent.probe")
 
-PROBE_TAG = "probe"
 _POLL_SECONDS = 0.05
 _LOG_TAIL_CHARS = 400
 
@@ -132,17 +131,6 @@ def _tail(path: Path) -> str:
     return lines[-1][-_LOG_TAIL_CHARS:] if lines else ""
 
 
-def _release_sim(env: Mapping[str, str], pids: list[int]) -> None:
-    """A killed rank could not remove its procs file; its pid is dead, but tidy up anyway."""
-    root = env.get(SIM_ROOT_ENV)
-    if not root or not os.path.isdir(root):
-        return
-    for uuid in os.listdir(root):
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(root, uuid, "procs", f"{pid}-{PROBE_TAG}.json"))
-
-
 def run_probe(
     cfg: ProbeConfig, env: Mapping[str, str] | None = None, cancel: threading.Event | None = None
 ) -> ProbeResult:
@@ -177,7 +165,7 @@ def run_probe(
     finally:
         for rk in ranks:
             _kill(rk.proc)
-        _release_sim(base_env, [rk.proc.pid for rk in ranks])
+        release_communicators(base_env, [rk.proc.pid for rk in ranks])  # what killed ranks still held
         shutil.rmtree(workdir, ignore_errors=True)
     probe_ranks = []
     for rk in ranks:
@@ -273,7 +261,7 @@ class _Reader:
 
     def __init__(self, kind: str, rank: int, on_gpu: bool) -> None:
         self.rank = rank
-        self.backend: Any = None
+        self.backend: GpuBackend | None = None
         self.on_gpu = on_gpu
         try:
             self.backend = open_backend(kind, os.environ)
@@ -312,7 +300,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> int:
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if on_gpu else "gloo"
     result: dict[str, Any] = {"rank": rank, "backend": backend, "error": None}
-    sim_hold: tuple[str, str] | None = None
+    held = contextlib.ExitStack()
     try:
         reader = _Reader(cfg.gpu_backend, rank, on_gpu)
         # Read before this process touches CUDA: the context is part of what init costs.
@@ -322,20 +310,10 @@ def _worker(rank: int, spec: dict[str, Any]) -> int:
             if before is None:
                 reader.backend = None
                 before = int(torch.cuda.mem_get_info()[0])
-        else:
-            from rankguard_agent.gpu.sim import SimBackend, write_proc  # noqa: PLC0415
-
-            sim = reader.backend
-            if not isinstance(sim, SimBackend):
-                raise RuntimeError("a CPU probe reads memory from the sim backend")
-            dev = sim.device(rank)
-            if before is not None and dev.comm_init_bytes > before:
-                raise RuntimeError(
-                    f"CUDA out of memory during communicator init on rank {rank}: needs "
-                    f"{dev.comm_init_bytes} bytes, {before} free"
-                )
-            write_proc(sim.root, dev.uuid, PROBE_TAG, dev.comm_init_bytes)
-            sim_hold = (sim.root, dev.uuid)
+        elif reader.backend is None or not reader.backend.simulated:
+            raise RuntimeError("a CPU probe reads memory from the sim backend")
+        if reader.backend is not None:
+            held.enter_context(reader.backend.communicator_init(rank))
         if before is None:
             raise RuntimeError(f"no free-memory reading for rank {rank}")
         result["free_before_bytes"] = before
@@ -381,10 +359,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> int:
     else:
         result.pop("stage", None)
     finally:
-        if sim_hold is not None:
-            from rankguard_agent.gpu.sim import remove_proc  # noqa: PLC0415
-
-            remove_proc(sim_hold[0], sim_hold[1], PROBE_TAG)
+        held.close()  # the communicator's memory goes back on every path, failures included
         _write_result(workdir / f"rank-{rank}.json", result)
     return 0 if result["error"] is None else 1
 

@@ -39,7 +39,7 @@ def _short(text: str) -> str:
     return text if len(text) <= DETAIL_CHARS else text[: DETAIL_CHARS - 1] + "…"
 
 
-def decide(
+def termination_message(
     returncode: int,
     cause: CudaOom | KVTooSmall | None,
     last_kv: KVObservation | None,

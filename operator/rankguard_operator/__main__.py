@@ -1,48 +1,23 @@
-"""`python -m rankguard_operator`: run the operator (kopf, standalone, no peering).
+"""`python -m rankguard_operator`: the `rankguard` command line (see cli.py).
 
-Environment:
-  RANKGUARD_WATCH_NAMESPACES  comma-separated namespaces to watch; empty = all namespaces
-  RANKGUARD_AGENT_IMAGE       image of the agent-install init container in serving pods
-  RANKGUARD_LIVENESS_PORT     kopf's liveness endpoint /healthz (default 8080; 0 = off)
-  RANKGUARD_METRICS_PORT      Prometheus metrics (default 9090; 0 = off)
-  RANKGUARD_SCRAPE_INTERVAL   seconds between observations of each service (default 2)
-  RANKGUARD_LOG_FORMAT        plain | json (default plain)
+With no arguments it runs the operator, which is what the container image's entrypoint
+does; `plan`, `run`, `--help` and `--version` work as with `rankguard`, and anything else is
+a usage error (exit 2), never a silent start against a cluster.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 import sys
+from collections.abc import Sequence
 
-import kopf
+from rankguard_operator.cli import main as cli_main
 
-
-def kopf_args(env: dict[str, str]) -> dict[str, object]:
-    """What to hand kopf.operator(), from the environment (pure, so it is testable)."""
-    namespaces = [n.strip() for n in env.get("RANKGUARD_WATCH_NAMESPACES", "").split(",") if n.strip()]
-    port = int(env.get("RANKGUARD_LIVENESS_PORT", "8080"))
-    host = env.get("RANKGUARD_LIVENESS_HOST", "0.0.0.0")
-    return {
-        "standalone": True,
-        "clusterwide": not namespaces,
-        "namespaces": namespaces,
-        "liveness_endpoint": f"http://{host}:{port}/healthz" if port else None,
-    }
+PROG = "python -m rankguard_operator"
 
 
-def main() -> int:
-    from . import handlers  # noqa: F401, PLC0415 - registers the handlers with kopf
-
-    fmt = os.environ.get("RANKGUARD_LOG_FORMAT", "plain")
-    kopf.configure(verbose=False, log_format=kopf.LogFormat.JSON if fmt == "json" else kopf.LogFormat.PLAIN)
-    logging.getLogger("rankguard_operator").setLevel(logging.INFO)
-    # kopf logs every watch-event handler call ("Handler 'pod_changed' succeeded"): noise here.
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    args = kopf_args(dict(os.environ))
-    asyncio.run(kopf.operator(**args))  # type: ignore[arg-type]
-    return 0
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli_main(args or ["run"], prog=PROG)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""`rankguard` command line. Subcommands register themselves in `build_parser`; today: `plan`.
+"""`rankguard` command line (also `python -m rankguard_operator`). Subcommands:
 
+    rankguard run                 run the operator (kopf; configured by RANKGUARD_* variables)
     rankguard plan --model meta-llama/Meta-Llama-3-70B --tp 8 --gpu-memory 80GiB \\
         --max-num-seqs 128 --logits gather [--json]
+    rankguard --version
 
 Exit codes: 0 a feasible plan; 1 a plan was computed but cannot serve one request at
 max_model_len (printed anyway, with the reason); 2 bad input (unknown model, bad flag),
@@ -17,8 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from rankguard_operator.models import SHAPE_OVERRIDE_KEYS, ModelError, resolve_model
-from rankguard_operator.planner import (
+from rankguard_operator import __version__
+from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, resolve_model
+from rankguard_operator.core.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -30,7 +33,7 @@ from rankguard_operator.planner import (
     RankMeasurement,
     make_plan,
 )
-from rankguard_operator.units import QuantityError, format_bytes, parse_bytes
+from rankguard_operator.core.units import QuantityError, format_bytes, parse_bytes
 
 PROG = "rankguard"
 
@@ -145,11 +148,34 @@ def _add_plan(sub: Any) -> None:
     p.set_defaults(func=_run_plan)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="rankguard: keep every tensor-parallel rank of vLLM out of GPU OOM"
+def _run_operator(args: argparse.Namespace, out: TextIO) -> int:
+    # Imported here: planning must not pay for kopf and the kubernetes client.
+    from rankguard_operator.edge.main import run_operator  # noqa: PLC0415
+
+    return run_operator()
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run the operator (configured by RANKGUARD_* environment variables)",
+        description=(
+            "Run the rankguard operator against the cluster in KUBECONFIG (or in-cluster). "
+            "Configuration is read from the environment: RANKGUARD_WATCH_NAMESPACES, "
+            "RANKGUARD_AGENT_IMAGE, RANKGUARD_LIVENESS_HOST/PORT, RANKGUARD_METRICS_HOST/PORT, "
+            "RANKGUARD_SCRAPE_INTERVAL, RANKGUARD_STALE_AFTER, RANKGUARD_LOG_FORMAT (docs/install.md)."
+        ),
     )
+    p.set_defaults(func=_run_operator)
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="rankguard: keep every tensor-parallel rank of vLLM out of GPU OOM"
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(sub)
     _add_plan(sub)
     return parser
 
@@ -272,8 +298,8 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     return 0 if plan.feasible else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed its message (or --help)

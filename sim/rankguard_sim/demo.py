@@ -173,7 +173,11 @@ def up(keep: bool = False) -> int:
         time.sleep(6)  # a few more lines of live headroom in the table
         watcher.terminate()
         printer.stop.set()
-        _summary(llmservice(api, NAMESPACE, NAME))
+        # The summary tells the settled story: the latest status if it still does (on a busy
+        # machine a scrape can time out and leave the ranks stale for a moment), else the one
+        # that ended the wait.
+        latest = llmservice(api, NAMESPACE, NAME)
+        _summary(latest if _remediated_and_ready(latest) else svc)
         say(f"\nDone in {time.monotonic() - started:.0f}s.")
         if keep:
             say("Everything keeps running until Ctrl-C (or `make demo-down`).")

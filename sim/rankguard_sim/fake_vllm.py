@@ -1,12 +1,15 @@
 """The fake `vllm serve`: real flags, simulated GPUs, vLLM's log lines and PyTorch's OOM.
 
+(Over 400 lines because `FakeVllm` is one process's life, start-up phases, load loop, HTTP and
+every exit path, in the order vLLM runs them; its flags, output, GPUs and metrics live in vllm_*.)
+
     RANKGUARD_SIM_GPU_ROOT=/tmp/gpus NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b,GPU-c,GPU-d \\
     RANKGUARD_SIM_SCENARIO=llama3-70b-tp4 vllm serve meta-llama/Meta-Llama-3-70B-Instruct -tp 4
 
-It parses vLLM's own flags (an unknown flag exits 2, as argparse does), replays vLLM v1's
-start-up over the pod's simulated GPUs with `scenario.EngineMemoryModel` (the same code
-`scenario.outcome()` runs), prints vLLM's log lines, serves `/health`, `/metrics` and
-`/v1/models`, and drives the scenario's load. When a rank runs out, it prints PyTorch's
+It parses vLLM's own flags (`vllm_args`; an unknown flag exits 2, as argparse does),
+replays vLLM v1's start-up over the pod's simulated GPUs with `engine_memory.EngineMemoryModel`
+(the same code `engine_outcome.outcome()` runs), prints vLLM's log lines, serves `/health`,
+`/metrics` and `/v1/models`, and drives the scenario's load. When a rank runs out, it prints PyTorch's
 CUDA OOM message for that GPU inside a traceback and exits 1. SIGTERM releases the GPUs and
 exits 0; every exit path releases the allocation files.
 
@@ -38,48 +41,33 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from rankguard_sim import gpus
-from rankguard_sim.scenario import (
-    BLOCK_SIZES,
-    DTYPES,
-    GIB,
-    KV_CACHE_DTYPES,
-    SCENARIO_ENV,
-    TAG_SERVING_COMM,
-    CudaOutOfMemory,
-    EngineConfig,
-    EngineConfigError,
-    EngineFailure,
-    EngineMemoryModel,
-    GpuLost,
-    KVPlan,
-    SamplerWarmupOOM,
-    Scenario,
-    ScenarioError,
-    engine_config,
-    find_scenario,
-    load_scenario,
+from rankguard_sim.engine_config import EngineConfig, EngineConfigError
+from rankguard_sim.engine_failures import EngineFailure, GpuLost
+from rankguard_sim.engine_memory import EngineMemoryModel, KVPlan
+from rankguard_sim.scenario_data import GIB, Scenario, ScenarioError
+from rankguard_sim.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
+from rankguard_sim.vllm_args import VLLM_VERSION, config_from_args, non_default_args, parse_args
+from rankguard_sim.vllm_console import (
+    ENGINE_DEAD,
+    ENGINE_INIT_FAILED,
+    Console,
+    failure_lines,
+    traceback_lines,
+    worker_name,
 )
+from rankguard_sim.vllm_ledger import FileLedger, select_gpus
+from rankguard_sim.vllm_metrics import Metrics
 
-VLLM_VERSION = "0.11.0"
 TIME_SCALE_ENV = "RANKGUARD_SIM_TIME_SCALE"
 PEAK_HOLD_ENV = "RANKGUARD_SIM_PEAK_HOLD_S"
 FAIL_STARTUP_ENV = "RANKGUARD_SIM_FAIL_STARTUP"
 HOST_MEMORY_FILE_ENV = "RANKGUARD_SIM_HOST_MEMORY_FILE"
-ALLOCATION_TAG = "vllm"
 
-ENGINE_INIT_FAILED = (
-    "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
-)
-ENGINE_DEAD = (
-    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
-    "See stack trace (above) for the root cause."
-)
 TORCH_DTYPE = {"auto": "torch.bfloat16", "bfloat16": "torch.bfloat16", "half": "torch.float16"}
 
 DEFAULT_PEAK_HOLD_S = 0.35  # >= 0.3 s: three samples of a 10 Hz sampler land on every peak
@@ -94,381 +82,10 @@ PHASE_SECONDS = {
     "capture-cuda-graphs": 1.0,
     "sampler-warmup": 0.2,
 }
-VLLM_PKG = "/usr/local/lib/python3.12/dist-packages/vllm"
-
-# Where each phase's allocation happens in vLLM, for the traceback (file, line, function, code).
-Frame = tuple[str, int, str, str]
-_FRAMES: dict[str, list[Frame]] = {
-    "init-device": [
-        (
-            "v1/worker/gpu_worker.py",
-            214,
-            "init_device",
-            "init_worker_distributed_environment(self.vllm_config, self.rank,",
-        ),
-        (
-            "distributed/parallel_state.py",
-            1187,
-            "init_distributed_environment",
-            "_WORLD = init_world_group(ranks, local_rank, backend)",
-        ),
-    ],
-    "load-model": [
-        (
-            "v1/worker/gpu_worker.py",
-            271,
-            "load_model",
-            "self.model_runner.load_model(eep_scale_up=eep_scale_up)",
-        ),
-        ("v1/worker/gpu_model_runner.py", 2635, "load_model", "self.model = model_loader.load_model("),
-        (
-            "model_executor/model_loader/base_loader.py",
-            49,
-            "load_model",
-            "model = initialize_model(vllm_config=vllm_config,",
-        ),
-    ],
-    "profile-run": [
-        ("v1/worker/gpu_worker.py", 301, "determine_available_memory", "self.model_runner.profile_run()"),
-        (
-            "v1/worker/gpu_model_runner.py",
-            3410,
-            "profile_run",
-            "hidden_states, last_hidden_states = self._dummy_run(",
-        ),
-        (
-            "model_executor/models/llama.py",
-            409,
-            "forward",
-            "hidden_states, residual = layer(positions, hidden_states, residual)",
-        ),
-    ],
-    "initialize-kv-cache": [
-        (
-            "v1/worker/gpu_worker.py",
-            352,
-            "initialize_from_config",
-            "self.model_runner.initialize_kv_cache(kv_cache_config)",
-        ),
-        (
-            "v1/worker/gpu_model_runner.py",
-            4013,
-            "_allocate_kv_cache_tensors",
-            "tensor = torch.zeros(kv_cache_tensor.size, dtype=torch.int8,",
-        ),
-    ],
-    "capture-cuda-graphs": [
-        (
-            "v1/worker/gpu_worker.py",
-            390,
-            "compile_or_warm_up_model",
-            "cuda_graph_memory_bytes = self.model_runner.capture_model()",
-        ),
-        (
-            "v1/worker/gpu_model_runner.py",
-            3590,
-            "capture_model",
-            "self._capture_cudagraphs(compilation_cases,",
-        ),
-    ],
-    "sampler-warmup": [
-        ("v1/worker/gpu_worker.py", 420, "compile_or_warm_up_model", "self.model_runner._dummy_sampler_run("),
-        (
-            "v1/worker/gpu_model_runner.py",
-            3297,
-            "_dummy_sampler_run",
-            "sampler_output = self.sampler(logits=logits,",
-        ),
-    ],
-    "execute-model": [
-        (
-            "v1/worker/gpu_worker.py",
-            476,
-            "execute_model",
-            "output = self.model_runner.execute_model(scheduler_output,",
-        ),
-        (
-            "v1/worker/gpu_model_runner.py",
-            2239,
-            "execute_model",
-            "logits = self.model.compute_logits(sample_hidden_states)",
-        ),
-        ("model_executor/layers/logits_processor.py", 70, "forward", "logits = self._gather_logits(logits)"),
-    ],
-}
-_COMM_FRAMES: list[Frame] = [
-    ("v1/worker/gpu_worker.py", 463, "execute_model", "get_pp_group().recv_tensor_dict("),
-    (
-        "distributed/parallel_state.py",
-        830,
-        "recv_tensor_dict",
-        "torch.distributed.recv(tensor, src=self.ranks[src], group=group)",
-    ),
-]
 
 
 class _Stopped(Exception):
     """SIGTERM or SIGINT arrived: release and exit 0."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line (vLLM's flags)
-
-
-def human_readable_int(value: str) -> int:
-    """vLLM's size syntax: 1k = 1000, 1K = 1024 (likewise m/M, g/G, t/T); plain integers too."""
-    text = value.strip().replace("_", "")
-    units = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
-    if text and text[-1] in "kmgt":
-        return round(float(text[:-1]) * units[text[-1]])
-    if text and text[-1] in "KMGT":
-        return int(text[:-1]) * int(1024 ** ("KMGT".index(text[-1]) + 1))
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI (simulated by rankguard_sim)")
-    parser.add_argument("-v", "--version", action="version", version=VLLM_VERSION)
-    sub = parser.add_subparsers(dest="subparser", required=True)
-    serve = sub.add_parser("serve", help="Start the vLLM OpenAI Compatible API server.")
-    serve.add_argument("model_tag", help="The model tag to serve")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", nargs="+", default=None)
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    serve.add_argument("--gpu-memory-utilization", type=float, default=None)
-    serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-model-len", type=human_readable_int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
-    serve.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
-    serve.add_argument("--dtype", choices=DTYPES, default="auto")
-    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    serve.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
-    serve.add_argument("--disable-custom-all-reduce", action="store_true")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    serve.add_argument("--trust-remote-code", action="store_true")
-    serve.add_argument("--seed", type=int, default=None)
-    serve.add_argument("--disable-log-stats", action="store_true")
-    serve.add_argument(
-        "--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"]
-    )
-    return parser
-
-
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """vLLM's FlexibleArgumentParser accepts --max_model_len as well as --max-model-len."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and len(arg) > 2:
-            key, eq, value = arg.partition("=")
-            out.append(key.replace("_", "-") + eq + value)
-        else:
-            out.append(arg)
-    return out
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse like vLLM: argparse's own errors (unknown flag, bad value) exit with status 2."""
-    return build_parser().parse_args(normalize_argv(argv))
-
-
-NON_DEFAULT_KEYS = (
-    "model_tag",
-    "host",
-    "port",
-    "served_model_name",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "gpu_memory_utilization",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "max_model_len",
-    "max_num_batched_tokens",
-    "block_size",
-    "dtype",
-    "kv_cache_dtype",
-    "enforce_eager",
-    "disable_custom_all_reduce",
-)
-
-
-def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
-    defaults = vars(build_parser().parse_args(["serve", "x"]))
-    return {
-        k: getattr(args, k) for k in NON_DEFAULT_KEYS if k == "model_tag" or getattr(args, k) != defaults[k]
-    }
-
-
-def config_from_args(scenario: Scenario, args: argparse.Namespace) -> EngineConfig:
-    return engine_config(
-        scenario,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enforce_eager=bool(args.enforce_eager),
-        disable_custom_all_reduce=args.disable_custom_all_reduce,
-        allow_long_max_model_len=os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True"),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Console: vLLM's log prefixes
-
-
-class Console:
-    """vLLM-style lines: "(Worker_TP1 pid=77) INFO 10-02 12:00:00 [gpu_worker.py:298] ..."."""
-
-    def __init__(self, pid: int, out: TextIO | None = None, err: TextIO | None = None) -> None:
-        self.pid = pid
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
-
-    @staticmethod
-    def stamp() -> str:
-        return time.strftime("%m-%d %H:%M:%S")
-
-    def line(self, who: str, level: str, where: str, msg: str, *, stream: TextIO | None = None) -> None:
-        target = stream or (self.err if level in ("ERROR", "CRITICAL") else self.out)
-        target.write(f"({who} pid={self.pid}) {level} {self.stamp()} [{where}] {msg}\n")
-        target.flush()
-
-    def info(self, who: str, where: str, msg: str) -> None:
-        self.line(who, "INFO", where, msg)
-
-    def warning(self, who: str, where: str, msg: str) -> None:
-        self.line(who, "WARNING", where, msg)
-
-    def error_lines(self, who: str, where: str, lines: Sequence[str]) -> None:
-        for text in lines:
-            self.line(who, "ERROR", where, text)
-
-    def plain(self, msg: str, *, error: bool = False) -> None:
-        target = self.err if error else self.out
-        target.write(msg + "\n")
-        target.flush()
-
-
-def worker_name(scenario: Scenario, rank: int) -> str:
-    """vLLM names worker processes by their parallel ranks; one GPU runs inside the engine core."""
-    if scenario.world_size == 1:
-        return "EngineCore_DP0"
-    if scenario.pipeline_parallel_size > 1:
-        return f"Worker_PP{scenario.pp_rank(rank)}_TP{scenario.tp_rank(rank)}"
-    return f"Worker_TP{rank}"
-
-
-def traceback_lines(frames: Sequence[Frame], final: str) -> list[str]:
-    lines = ["Traceback (most recent call last):"]
-    for path, lineno, func, code in frames:
-        lines.append(f'  File "{VLLM_PKG}/{path}", line {lineno}, in {func}')
-        lines.append(f"    {code}")
-    lines.append(final)
-    return lines
-
-
-def failure_lines(failure: EngineFailure) -> list[str]:
-    """The worker's traceback for a failure, ending with the exception line(s)."""
-    if isinstance(failure, CudaOutOfMemory):
-        frames = _COMM_FRAMES if failure.what == TAG_SERVING_COMM else _FRAMES.get(failure.phase, [])
-        lines = traceback_lines(frames, f"torch.OutOfMemoryError: {failure.message()}")
-        if isinstance(failure, SamplerWarmupOOM):
-            lines += ["", "The above exception was the direct cause of the following exception:", ""]
-            lines += traceback_lines(_FRAMES["sampler-warmup"][:1], f"RuntimeError: {failure.advice()}")
-        return lines
-    frames = {
-        "init-device": [
-            (
-                "v1/worker/gpu_worker.py",
-                239,
-                "init_device",
-                "self.requested_memory = request_memory(init_snapshot, self.cache_config)",
-            ),
-            ("v1/worker/utils.py", 435, "request_memory", "raise ValueError("),
-        ],
-        "kv-cache": [
-            (
-                "v1/engine/core.py",
-                227,
-                "_initialize_kv_caches",
-                "kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs,",
-            ),
-            ("v1/core/kv_cache_utils.py", 712, "check_enough_kv_cache_memory", "raise ValueError("),
-        ],
-    }.get(failure.phase, _FRAMES.get(failure.phase, []))
-    kind = "RuntimeError" if isinstance(failure, GpuLost) else "ValueError"
-    return traceback_lines(frames, f"{kind}: {failure.message()}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The pod's GPUs as a ledger
-
-
-class FileLedger:
-    """The engine's view of its simulated GPUs: one allocation file per GPU for this process."""
-
-    def __init__(self, root: str, uuids: Sequence[str], pid: int | None = None) -> None:
-        self.root = root
-        self.uuids = list(uuids)
-        self.pid = os.getpid() if pid is None else pid
-        self.allocations = [gpus.Allocation(root, u, ALLOCATION_TAG, pid=self.pid) for u in self.uuids]
-        self.tags: list[dict[str, int]] = [{} for _ in self.uuids]
-
-    def total(self, rank: int) -> int:
-        return gpus.read_device(self.root, self.uuids[rank]).total_bytes
-
-    def free(self, rank: int) -> int:
-        return gpus.free_bytes(self.root, self.uuids[rank])
-
-    def held(self, rank: int, tag: str) -> int:
-        return self.tags[rank].get(tag, 0)
-
-    def hold(self, rank: int, tag: str, nbytes: int) -> None:
-        if nbytes:
-            self.tags[rank][tag] = nbytes
-        else:
-            self.tags[rank].pop(tag, None)
-        self.allocations[rank].set(sum(self.tags[rank].values()))
-
-    def others(self, rank: int) -> list[tuple[int, int]]:
-        per_pid: dict[int, int] = {}
-        for proc in gpus.live_allocations(self.root, self.uuids[rank]):
-            if proc.pid != self.pid:
-                per_pid[proc.pid] = per_pid.get(proc.pid, 0) + proc.bytes
-        return sorted(per_pid.items())
-
-    def lost(self, rank: int) -> bool:
-        return gpus.read_device(self.root, self.uuids[rank]).lost
-
-    def release_all(self) -> None:
-        for alloc in self.allocations:
-            alloc.release()
-        self.tags = [{} for _ in self.uuids]
-
-
-def select_gpus(env: Mapping[str, str]) -> list[str]:
-    """NVIDIA_VISIBLE_DEVICES in order, narrowed by CUDA_VISIBLE_DEVICES when that is set."""
-    uuids = gpus.visible_uuids(env)
-    narrowed = env.get("CUDA_VISIBLE_DEVICES")
-    if narrowed is None or not narrowed.strip():
-        return uuids
-    chosen = []
-    for item in (x.strip() for x in narrowed.split(",") if x.strip()):
-        if item.isdigit() and int(item) < len(uuids):
-            chosen.append(uuids[int(item)])
-        elif item in uuids:
-            chosen.append(item)
-        else:
-            break  # CUDA stops enumerating at the first invalid entry
-    return chosen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,67 +113,6 @@ class HostMemoryReporter:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-class Metrics:
-    """vLLM's metric names on a private registry (never the process-global one)."""
-
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self.labels = {"model_name": model_name, "engine": "0"}
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels,
-            registry=self.registry,
-        )
-        self.running = Gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            labels,
-            registry=self.registry,
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            labels,
-            registry=self.registry,
-        )
-        self.cache_info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            [
-                "block_size",
-                "cache_dtype",
-                "gpu_memory_utilization",
-                "kv_cache_memory_bytes",
-                "num_gpu_blocks",
-            ],
-            registry=self.registry,
-        )
-        self.set_load(0, 0, 0.0)
-
-    def set_cache_config(self, config: EngineConfig, plan: KVPlan) -> None:
-        self.cache_info.labels(
-            block_size=str(config.block_size),
-            cache_dtype=config.kv_cache_dtype,
-            gpu_memory_utilization=str(config.gpu_memory_utilization),
-            kv_cache_memory_bytes=str(config.kv_cache_memory_bytes),
-            num_gpu_blocks=str(plan.num_gpu_blocks),
-        ).set(1)
-
-    def set_load(self, running: int, waiting: int, usage: float) -> None:
-        self.running.labels(**self.labels).set(running)
-        self.waiting.labels(**self.labels).set(waiting)
-        self.kv_usage.labels(**self.labels).set(usage)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 # ---------------------------------------------------------------------------------------------

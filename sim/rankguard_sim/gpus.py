@@ -1,4 +1,4 @@
-"""The simulated GPUs: the WRITER side of docs/sim-world.md.
+"""The simulated GPUs: the world's side of docs/sim-world.md.
 
 A node's GPUs are folders under one root; every process that "uses" a GPU keeps one small
 JSON file per allocation tag under `<uuid>/procs/`. The world (process kubelet) creates the
@@ -7,68 +7,84 @@ devices, the fake vLLM and the agent's probe hold allocations, and any reader (t
 
     used = reserved_bytes + Σ bytes of live procs        free = max(0, total − used)
 
-Every write is atomic (temp file in the same folder, then `os.replace`), so a reader that
-polls ten times a second never sees a half-written file. Temp files start with "." and end
-in ".tmp" so that readers, which only read `*.json`, skip them.
+The files themselves are read and written by `rankguard_agent.gpu.simfiles`, the contract's
+only implementation (the agent must never import this package, so it lives there); this
+module adds what only the world does: naming and creating devices, changing their facts,
+cleaning up after dead processes, and the `Allocation` a simulated process holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-GPU_ROOT_ENV = "RANKGUARD_SIM_GPU_ROOT"
-VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+from rankguard_agent.gpu import simfiles
+from rankguard_agent.gpu.simfiles import (
+    DEFAULT_NAME,
+    SIM_ROOT_ENV,
+    VISIBLE_DEVICES_ENV,
+    PathLike,
+    device_path,
+    pid_alive,
+    procs_dir,
+)
+
+__all__ = [
+    "DEFAULT_NAME",
+    "DEFAULT_SEED",
+    "GPU_ROOT_ENV",
+    "VISIBLE_DEVICES_ENV",
+    "Allocation",
+    "Device",
+    "MemoryReading",
+    "PathLike",
+    "ProcAllocation",
+    "SimGpuError",
+    "all_allocations",
+    "check_tag",
+    "cleanup_dead",
+    "create_gpus",
+    "device_path",
+    "free_bytes",
+    "gpu_uuid",
+    "list_gpus",
+    "live_allocations",
+    "mark_lost",
+    "memory",
+    "pid_alive",
+    "process_bytes",
+    "procs_dir",
+    "read_device",
+    "remove_gpu",
+    "set_comm_init_bytes",
+    "set_reserved_bytes",
+    "used_bytes",
+    "visible_uuids",
+    "write_device",
+]
+
+GPU_ROOT_ENV = SIM_ROOT_ENV
 DEFAULT_SEED = "rankguard-sim"
-DEFAULT_NAME = "NVIDIA H100 80GB HBM3 (simulated)"
 
 # Tags become part of a file name: keep them to a safe, readable alphabet.
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
-PathLike = str | os.PathLike[str]
+# The contract's records under the names the world has always used.
+Device = simfiles.SimDevice
+ProcAllocation = simfiles.SimProc
 
 
 class SimGpuError(RuntimeError):
     """The simulated GPU state is missing or malformed."""
-
-
-@dataclass(frozen=True)
-class Device:
-    uuid: str
-    index: int
-    name: str
-    total_bytes: int
-    reserved_bytes: int = 0
-    comm_init_bytes: int = 0
-    lost: bool = False
-
-    def to_doc(self) -> dict[str, Any]:
-        return {
-            "uuid": self.uuid,
-            "index": self.index,
-            "name": self.name,
-            "total_bytes": self.total_bytes,
-            "reserved_bytes": self.reserved_bytes,
-            "comm_init_bytes": self.comm_init_bytes,
-            "lost": self.lost,
-        }
-
-
-@dataclass(frozen=True)
-class ProcAllocation:
-    pid: int
-    tag: str
-    bytes: int
 
 
 @dataclass(frozen=True)
@@ -80,47 +96,10 @@ class MemoryReading:
     free_bytes: int
 
 
-# ---------------------------------------------------------------------------------------------
-# Small file helpers
-
-
-def _atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _non_negative_int(doc: Mapping[str, Any], key: str, where: Path) -> int:
-    value = doc.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SimGpuError(f"{where}: {key} must be a non-negative integer, got {value!r:.40}")
-    return value
-
-
 def _check_bytes(nbytes: int, what: str) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"{what} must be a non-negative integer number of bytes, got {nbytes!r:.40}")
     return nbytes
-
-
-def pid_alive(pid: int) -> bool:
-    """The contract's liveness test: a pid that `kill(pid, 0)` cannot find is dead."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, just someone else's
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,19 +116,8 @@ def gpu_uuid(seed: str, index: int) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def device_path(root: PathLike, uuid: str) -> Path:
-    return Path(root) / uuid / "device.json"
-
-
-def procs_dir(root: PathLike, uuid: str) -> Path:
-    return Path(root) / uuid / "procs"
-
-
 def write_device(root: PathLike, device: Device) -> Path:
-    path = device_path(root, device.uuid)
-    procs_dir(root, device.uuid).mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(path, device.to_doc())
-    return path
+    return simfiles.store_device(root, device)
 
 
 def create_gpus(
@@ -196,24 +164,12 @@ def create_gpus(
 
 
 def read_device(root: PathLike, uuid: str) -> Device:
-    path = device_path(root, uuid)
     try:
-        doc = json.loads(path.read_bytes())
+        return simfiles.read_device(root, uuid)
     except FileNotFoundError:
         raise SimGpuError(f"no simulated GPU {uuid!r} under {root}") from None
-    except ValueError as e:
-        raise SimGpuError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise SimGpuError(f"{path}: expected an object")
-    return Device(
-        uuid=str(doc.get("uuid", uuid)),
-        index=_non_negative_int(doc, "index", path),
-        name=str(doc.get("name", "")),
-        total_bytes=_non_negative_int(doc, "total_bytes", path),
-        reserved_bytes=_non_negative_int(doc, "reserved_bytes", path),
-        comm_init_bytes=_non_negative_int(doc, "comm_init_bytes", path),
-        lost=bool(doc.get("lost", False)),
-    )
+    except (OSError, ValueError) as e:
+        raise SimGpuError(f"{device_path(root, uuid)}: {e}") from None
 
 
 def list_gpus(root: PathLike) -> list[Device]:
@@ -229,10 +185,7 @@ def list_gpus(root: PathLike) -> list[Device]:
 
 
 def _update_device(root: PathLike, uuid: str, **changes: Any) -> Device:
-    current = read_device(root, uuid)
-    doc = current.to_doc()
-    doc.update(changes)
-    updated = Device(**doc)
+    updated = dataclasses.replace(read_device(root, uuid), **changes)
     write_device(root, updated)
     return updated
 
@@ -260,36 +213,9 @@ def remove_gpu(root: PathLike, uuid: str) -> None:
 # Readings (any side)
 
 
-def _read_proc_file(path: Path) -> ProcAllocation | None:
-    try:
-        doc = json.loads(path.read_bytes())
-        pid, nbytes = doc["pid"], doc["bytes"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # vanished or not ours: the next read sees the settled state
-    if isinstance(pid, bool) or not isinstance(pid, int):
-        return None
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        return None
-    return ProcAllocation(pid=pid, tag=str(doc.get("tag", "")), bytes=max(0, nbytes))
-
-
-def _proc_files(root: PathLike, uuid: str) -> list[Path]:
-    folder = procs_dir(root, uuid)
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    return [folder / n for n in sorted(names) if n.endswith(".json") and not n.startswith(".")]
-
-
 def all_allocations(root: PathLike, uuid: str) -> list[ProcAllocation]:
     """Every allocation file on the GPU, live or not."""
-    out = []
-    for path in _proc_files(root, uuid):
-        proc = _read_proc_file(path)
-        if proc is not None:
-            out.append(proc)
-    return out
+    return simfiles.scan_procs(procs_dir(root, uuid))
 
 
 def live_allocations(root: PathLike, uuid: str) -> list[ProcAllocation]:
@@ -298,11 +224,8 @@ def live_allocations(root: PathLike, uuid: str) -> list[ProcAllocation]:
 
 def memory(root: PathLike, uuid: str) -> MemoryReading:
     device = read_device(root, uuid)
-    used = device.reserved_bytes + sum(p.bytes for p in live_allocations(root, uuid))
-    used = min(used, device.total_bytes)
-    return MemoryReading(
-        total_bytes=device.total_bytes, used_bytes=used, free_bytes=device.total_bytes - used
-    )
+    used, free = simfiles.used_and_free(device, all_allocations(root, uuid))
+    return MemoryReading(total_bytes=device.total_bytes, used_bytes=used, free_bytes=free)
 
 
 def used_bytes(root: PathLike, uuid: str) -> int:
@@ -325,25 +248,21 @@ def cleanup_dead(root: PathLike) -> int:
     if not base.is_dir():
         return 0
     for entry in sorted(base.iterdir()):
-        for path in _proc_files(root, entry.name):
-            proc = _read_proc_file(path)
+        for path in simfiles.proc_files(procs_dir(root, entry.name)):
+            proc = simfiles.read_proc_file(path)
             if proc is not None and pid_alive(proc.pid):
                 continue
-            if proc is None and path.exists():
+            if proc is None and os.path.exists(path):
                 continue  # unreadable but present: maybe mid-replace, leave it
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+                os.unlink(path)
                 removed += 1
     return removed
 
 
 def visible_uuids(env: Mapping[str, str] | None = None) -> list[str]:
     """The pod's GPUs in rank order, as the process kubelet passes them (NVIDIA_VISIBLE_DEVICES)."""
-    env = os.environ if env is None else env
-    raw = env.get(VISIBLE_DEVICES_ENV, "")
-    if raw.strip().lower() in ("", "all", "none", "void"):
-        return []
-    return [u.strip() for u in raw.split(",") if u.strip()]
+    return simfiles.visible_uuids(os.environ if env is None else env) or []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +294,7 @@ class Allocation:
 
     @property
     def path(self) -> Path:
-        return procs_dir(self.root, self.uuid) / f"{self.pid}-{self.tag}.json"
+        return simfiles.proc_path(self.root, self.uuid, self.pid, self.tag)
 
     @property
     def bytes(self) -> int:
@@ -388,7 +307,7 @@ class Allocation:
     def set(self, nbytes: int) -> int:
         """Hold exactly `nbytes` (no capacity check: the caller decides what fits)."""
         _check_bytes(nbytes, "allocation size")
-        _atomic_write_json(self.path, {"pid": self.pid, "tag": self.tag, "bytes": nbytes})
+        simfiles.write_proc(self.root, self.uuid, self.tag, nbytes, pid=self.pid)
         self._bytes = nbytes
         self._written = True
         return nbytes
@@ -403,8 +322,7 @@ class Allocation:
 
     def release(self) -> None:
         """Give everything back and remove the file. Safe to call twice."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        simfiles.remove_proc(self.root, self.uuid, self.tag, pid=self.pid)
         self._bytes = 0
         self._written = False
 

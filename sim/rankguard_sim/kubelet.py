@@ -39,18 +39,19 @@ Where the sandbox differs from a real node, and only here:
   RANKGUARD_SIM_CONTAINER in its environment (the sandbox's cgroup); stdout and stderr go
   to a per-container, per-restart log file under workdir.
 
-Modules: this one holds the node (registration, heartbeat, pod watch) and what pods share
-(GPUs, IPs, API calls); podworker.py runs one pod; podspec.py, podstatus.py,
-podvolumes.py and probes.py are the kubelet's rules as pure functions; podproc.py is a
-container's processes; image.py is the command table.
+Modules: this one holds the node (registration, heartbeat, its pods' workers, pod IPs);
+nodegpus.py hands out its GPUs; podwatch.py watches its pods; podapi.py makes the API
+calls for pods; podworker.py runs one pod on podcontainers.py (its containers as
+processes) and sees this node only as podnode.py's Protocol, so it never imports this
+module; podmeta.py reads a pod dict; podspec.py, podstatus.py, podvolumes.py and
+probes.py are the kubelet's rules as pure functions; podproc.py is a container's
+processes; image.py is the command table.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import copy
-import json
 import logging
 import os
 import threading
@@ -60,46 +61,21 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from . import gpus as simgpus
 from .image import build_image
+from .nodegpus import NodeGpus
 from .nodes import heartbeat, register_node
+from .podapi import PodApi, Throttled
+from .podmeta import TERMINAL_PHASES, meta_of
 from .podspec import GPU_RESOURCE, ImageTable, IpPool
-from .podworker import TERMINAL_PHASES, PodWorker, meta_of, pod_key, spec_of
-from .scenario import Scenario, load_scenario
+from .podwatch import PodWatch
+from .podworker import PodWorker
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
-GIB = 1 << 30
-DEFAULT_GPU_TOTAL_BYTES = 80 * GIB
 # One pool per process: every kubelet (node) in it draws from the same loopback range.
 POD_IPS = IpPool()
-
-
-def _raw(call: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Call the API and return the JSON body as a dict (the sim works on plain dicts)."""
-    resp = call(*args, _preload_content=False, **kwargs)
-    try:
-        doc = json.loads(resp.data)
-    finally:
-        resp.release_conn()
-    return doc if isinstance(doc, dict) else {}
-
-
-class _Throttled:
-    """Logs one warning per distinct message per interval: API trouble must not flood logs."""
-
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self._last: dict[str, float] = {}
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(msg, -1e9) >= self.every:
-            self._last[msg] = now
-            log.warning(msg, *args)
 
 
 # ------------------------------------------------------------------------------ the kubelet
@@ -152,17 +128,10 @@ class ProcessKubelet:
         self.grace_cap = grace_cap
         self.stop_grace = stop_grace
         self.delete_node_on_stop = delete_node_on_stop
-        self._scenario_obj: Scenario | None = None
-        self._gpu_name = simgpus.DEFAULT_NAME
-        self.gpu_total_bytes = gpu_total_bytes or DEFAULT_GPU_TOTAL_BYTES
-        if scenario:
-            self._scenario_obj = load_scenario(scenario)
-            self._gpu_name = f"{self._scenario_obj.gpu.name} (simulated)"
-            self.gpu_total_bytes = gpu_total_bytes or int(self._scenario_obj.gpu.total_bytes)
+        self._gpus = NodeGpus(self.gpu_root, gpus, gpu_total_bytes, scenario)
         self.image_bin = self.workdir / "image" / "bin"
         self._user_table = image_table
         self.image = ImageTable(commands={})
-        self.gpu_uuids: list[str] = []
         # Our own clients over the caller's configuration: a long-lived watch and many pod
         # workers must not starve the caller's connection pool (or each other).
         config = copy.deepcopy(api_client.configuration)
@@ -172,12 +141,20 @@ class ProcessKubelet:
         self.core = client.CoreV1Api(self._api)
         self._lock = threading.Lock()
         self._ips = ip_pool if ip_pool is not None else POD_IPS
-        self._gpu_owner: dict[str, str] = {}  # uuid -> pod uid
         self._workers: dict[str, PodWorker] = {}
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._watch_resp: Any = None
-        self._throttle = _Throttled()
+        self._throttle = Throttled()
+        self.api = PodApi(self.core, self._throttle, self._stopping)
+        self._watch = PodWatch(
+            self._watch_api,
+            node_name,
+            self._stopping,
+            self._throttle,
+            on_list=self._sync_pods,
+            on_upsert=self._upsert,
+            on_gone=self._gone,
+        )
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -188,9 +165,7 @@ class ProcessKubelet:
         self._started = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.image = self._build_image()
-        self.gpu_uuids = simgpus.create_gpus(
-            self.gpu_root, self.gpu_count, self.gpu_total_bytes, seed=self.node_name, name=self._gpu_name
-        )
+        self._gpus.create(seed=self.node_name)
         self._retry(
             "register node",
             lambda: register_node(
@@ -202,7 +177,7 @@ class ProcessKubelet:
                 address=self.address,
             ),
         )
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "pod-watch")):
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch.run, "pod-watch")):
             t = threading.Thread(target=target, name=f"kubelet-{self.node_name}-{name}", daemon=True)
             self._threads.append(t)
             t.start()
@@ -216,11 +191,7 @@ class ProcessKubelet:
     def stop(self) -> None:
         """Kill every container, join every thread, release every GPU and IP. Idempotent."""
         self._stopping.set()
-        with self._lock:
-            resp = self._watch_resp
-        if resp is not None:
-            with contextlib.suppress(Exception):
-                resp.shutdown()
+        self._watch.interrupt()
         for t in self._threads:
             t.join(timeout=30)
         with self._lock:
@@ -315,9 +286,12 @@ class ProcessKubelet:
         with self._lock:
             return {w.key: list(w.gpus) for w in self._workers.values() if not w.released and w.gpus}
 
+    @property
+    def gpu_uuids(self) -> list[str]:
+        return self._gpus.uuids
+
     def free_gpus(self) -> list[str]:
-        with self._lock:
-            return [u for u in self.gpu_uuids if u not in self._gpu_owner]
+        return self._gpus.free()
 
     def log_path(self, namespace: str, name: str, container: str, previous: bool = False) -> Path | None:
         w = self._worker(namespace, name)
@@ -332,123 +306,22 @@ class ProcessKubelet:
     # -- resources (called by workers) --------------------------------------------------------
 
     def acquire_gpus(self, uid: str, count: int) -> list[str] | None:
-        with self._lock:
-            free = [u for u in self.gpu_uuids if u not in self._gpu_owner]
-            if count > len(free):
-                return None
-            got = free[:count]
-            for u in got:
-                self._gpu_owner[u] = uid
-            return got
+        return self._gpus.acquire(uid, count)
 
     def acquire_ip(self, uid: str) -> str:
         return self._ips.acquire(uid)
 
     def release_pod(self, uid: str) -> None:
-        with self._lock:
-            self._ips.release(uid)
-            for u in [u for u, owner in self._gpu_owner.items() if owner == uid]:
-                del self._gpu_owner[u]
-        with contextlib.suppress(OSError):
-            simgpus.cleanup_dead(self.gpu_root)
+        self._ips.release(uid)
+        self._gpus.release(uid)
 
     def set_comm_init(self, uuids: list[str]) -> None:
-        """The world's fact for each rank: what CUDA context + NCCL cost on that GPU."""
-        if self._scenario_obj is None:
-            return
-        for rank, uuid in enumerate(uuids):
-            simgpus.set_comm_init_bytes(self.gpu_root, uuid, int(self._scenario_obj.comm_init_bytes(rank)))
+        self._gpus.set_comm_init(uuids)
 
-    def worker_done(self, worker: PodWorker) -> None:
+    def worker_done(self, uid: str, worker: object) -> None:
         with self._lock:
-            if self._workers.get(worker.uid) is worker:
-                del self._workers[worker.uid]
-
-    # -- API (called by workers) --------------------------------------------------------------
-
-    def patch_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
-        # A JSON merge patch replaces the status lists whole: the kubelet owns them. The uid
-        # is a precondition, as in the kubelet's own patch: a pod re-created under the same
-        # name must not get the old one's status.
-        # _raw reads the body before the connection goes back to the pool: a connection
-        # returned with an unread body hands the next request that body as its status line.
-        _raw(
-            self.core.patch_namespaced_pod_status,
-            name,
-            namespace,
-            {"metadata": {"uid": uid}, "status": status},
-            _content_type="application/merge-patch+json",
-        )
-
-    def pod_exists(self, worker: PodWorker) -> bool:
-        """Whether the worker's pod (same uid) is still in the API; True when unsure."""
-        try:
-            doc = _raw(self.core.read_namespaced_pod, worker.pod_name, worker.namespace)
-        except ApiException as e:
-            return bool(e.status != 404)
-        except Exception:
-            return True
-        return str(meta_of(doc).get("uid")) == worker.uid
-
-    def confirm_deletion(self, pod: Mapping[str, Any]) -> None:
-        meta = meta_of(pod)
-        body = client.V1DeleteOptions(
-            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=str(meta.get("uid")))
-        )
-        for attempt in range(10):
-            try:
-                _raw(self.core.delete_namespaced_pod, str(meta["name"]), str(meta["namespace"]), body=body)
-                return
-            except ApiException as e:
-                if e.status in (404, 409):
-                    return  # gone already, or a new pod took the name
-                self._throttle.warn("pod %s: confirming deletion failed (%s)", pod_key(pod), e.status)
-            except Exception as e:
-                self._throttle.warn("pod %s: confirming deletion failed (%s)", pod_key(pod), e)
-            if self._stopping.wait(min(0.2 * 2**attempt, 3.0)):
-                return
-
-    def lookup_object(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
-        read = (
-            self.core.read_namespaced_config_map if kind == "configmap" else self.core.read_namespaced_secret
-        )
-        try:
-            doc = _raw(read, name, namespace)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        data = {str(k): str(v) for k, v in (doc.get("data") or {}).items()}
-        if kind == "secret":
-            data = {k: base64.b64decode(v).decode("utf-8", errors="replace") for k, v in data.items()}
-        return data
-
-    def lookup_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
-        data = self.lookup_object(kind, namespace, name)
-        return None if data is None else data.get(key)
-
-    def service_account_token(self, pod: Mapping[str, Any], source: Mapping[str, Any]) -> str:
-        meta, spec = meta_of(pod), spec_of(pod)
-        body: dict[str, Any] = {
-            "spec": {
-                "expirationSeconds": int(source.get("expirationSeconds") or 3607),
-                "boundObjectRef": {
-                    "kind": "Pod",
-                    "apiVersion": "v1",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                },
-            }
-        }
-        if source.get("audience"):
-            body["spec"]["audiences"] = [source["audience"]]
-        doc = _raw(
-            self.core.create_namespaced_service_account_token,
-            str(spec.get("serviceAccountName") or "default"),
-            str(meta["namespace"]),
-            body,
-        )
-        return str((doc.get("status") or {}).get("token", ""))
+            if self._workers.get(uid) is worker:
+                del self._workers[uid]
 
     # -- node and watch threads ------------------------------------------------------------
 
@@ -459,28 +332,16 @@ class ProcessKubelet:
             except Exception as e:
                 self._throttle.warn("node %s: heartbeat failed (%s)", self.node_name, e)
 
-    def _watch_loop(self) -> None:
-        core = client.CoreV1Api(self._watch_api)
-        selector = f"spec.nodeName={self.node_name}"
-        rv: str | None = None
-        delay = 0.2
-        while not self._stopping.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist(core, selector)
-                rv = self._watch_once(core, selector, rv)
-                delay = 0.2
-            except Exception as e:
-                if self._stopping.is_set():
-                    break
-                self._throttle.warn("node %s: pod watch failed (%s); re-listing", self.node_name, e)
-                rv = None
-                self._stopping.wait(delay)
-                delay = min(delay * 2, 5.0)
+    # The tests reach the watch through these two names.
+    @property
+    def _watch_resp(self) -> Any:
+        return self._watch.resp
 
-    def _relist(self, core: client.CoreV1Api, selector: str) -> str:
-        doc = _raw(core.list_pod_for_all_namespaces, field_selector=selector)
-        pods = doc.get("items") or []
+    def _watch_once(self, core: client.CoreV1Api, selector: str, rv: str) -> str | None:
+        return self._watch.watch_once(core, selector, rv)
+
+    def _sync_pods(self, pods: list[dict[str, Any]]) -> None:
+        """After a relist: workers of pods no longer listed vanish; every listed pod is upserted."""
         present = {str(meta_of(p).get("uid")) for p in pods}
         with self._lock:
             gone = [w for uid, w in self._workers.items() if uid not in present]
@@ -488,46 +349,6 @@ class ProcessKubelet:
             w.vanish()
         for p in pods:
             self._upsert(p)
-        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
-
-    def _watch_once(self, core: client.CoreV1Api, selector: str, rv: str) -> str | None:
-        resp = core.list_pod_for_all_namespaces(
-            field_selector=selector,
-            watch=True,
-            resource_version=rv,
-            allow_watch_bookmarks=True,
-            timeout_seconds=300,
-            _preload_content=False,
-        )
-        with self._lock:
-            self._watch_resp = resp
-        if self._stopping.is_set():  # stop() may have looked for the response before it existed
-            resp.release_conn()
-            return rv
-        try:
-            for line in iter_resp_lines(resp):
-                if self._stopping.is_set():
-                    break
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        return None  # too old: relist
-                    raise RuntimeError(f"watch error: {obj.get('message')}")
-                rv = str(meta_of(obj).get("resourceVersion") or rv)
-                if kind == "DELETED":
-                    self._gone(obj)
-                elif kind in ("ADDED", "MODIFIED"):
-                    self._upsert(obj)
-        finally:
-            with self._lock:
-                self._watch_resp = None
-            with contextlib.suppress(Exception):
-                # A watch left mid-stream must not go back to the pool with unread events.
-                resp.close()
-            with contextlib.suppress(Exception):
-                resp.release_conn()
-        return rv
 
     def _upsert(self, pod: dict[str, Any]) -> None:
         uid = str(meta_of(pod).get("uid"))
@@ -546,7 +367,7 @@ class ProcessKubelet:
                 new = None
         if worker is None:
             if meta_of(pod).get("deletionTimestamp") and not self._stopping.is_set():
-                self.confirm_deletion(pod)
+                self.api.confirm_deletion(pod)
             return
         if new is not None:
             new.start()

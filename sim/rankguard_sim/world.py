@@ -102,9 +102,23 @@ class Node:
         self.kubelet.stop()
 
 
-def install_crd(cp: ControlPlane) -> None:
+def install_crd(cp: ControlPlane, timeout: float = 60) -> None:
+    """Install the LLMService CRD and return once API discovery serves it.
+
+    Established is not enough: discovery can lag behind it, and an operator started in that gap
+    scans the API's resources, does not find `llmservices`, and never watches them (kopf
+    scans once at start-up). Every caller (tests, demo, benches) therefore waits for discovery.
+    """
     cp.kubectl("apply", "--server-side", "--field-manager=rankguard-sandbox", "-f", str(CRD_FILE))
-    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/llmservices.rankguard.io")
+    cp.kubectl(
+        "wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", "crd/llmservices.rankguard.io"
+    )
+    wait_for(
+        "API discovery to serve llmservices.rankguard.io",
+        lambda: cp.kubectl("get", "llmservices", "-A", check=False).returncode == 0,
+        timeout,
+        every=0.3,
+    )
 
 
 def start_node(
@@ -134,7 +148,7 @@ def start_node(
 
 
 def scenario_gpu_count(scenario: str) -> int:
-    from .scenario import load_scenario  # noqa: PLC0415
+    from .scenario_file import load_scenario  # noqa: PLC0415
 
     s = load_scenario(scenario)
     # One serving replica's GPUs plus room for a second during a roll.

@@ -30,10 +30,14 @@ from prometheus_client import REGISTRY
 
 from rankguard_agent import termination as tm
 from rankguard_agent.report import MAX_REPORT_BYTES, RankSample, Report
-from rankguard_operator import handlers, k8s, loop, policy, render
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.spec import parse_spec
-from rankguard_operator.units import parse_bytes
+from rankguard_operator.core import render
+from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import FLAGS_ANNOTATION, REMEDIATION_ID_ANNOTATION, VLLM_CONTAINER
+from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.units import parse_bytes
+from rankguard_operator.edge import k8s
+from rankguard_operator.edge.config import DEFAULT_AGENT_IMAGE
 from rankguard_sim.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for
 
@@ -42,8 +46,8 @@ pytestmark = pytest.mark.cluster
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
 GiB, MiB = 1 << 30, 1 << 20
 SCRAPE_INTERVAL = 0.5
-# Long enough for several passes of the loop: "nothing happened" must mean the loop looked.
-QUIET = 6 * SCRAPE_INTERVAL
+# "Nothing happened" must mean the loop looked: this many passes after the event in question.
+QUIET_PASSES = 4
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 IMAGE = "vllm/vllm-openai:v0.11.0"
 SERVICE_LABEL = "rankguard.io/llmservice"
@@ -117,14 +121,12 @@ def operator_env(cluster: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None
     # The kubernetes client reads KUBECONFIG once, when it is imported (long before this test);
     # k8s.login() calls load_kube_config() without a path, so point the default at our cluster.
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(cluster.kubeconfig))
-    # Likewise the handlers module read the interval when it was first imported.
-    monkeypatch.setattr(handlers, "SCRAPE_INTERVAL", SCRAPE_INTERVAL)
 
 
 @contextlib.contextmanager
 def operator(namespace: str) -> Iterator[KopfRunner]:
-    """The real operator (kopf CLI + rankguard_operator.handlers) in a thread of this process."""
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rankguard_operator.handlers"]
+    """The real operator (kopf CLI + rankguard_operator.edge.handlers) in a thread of this process."""
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rankguard_operator.edge.handlers"]
     with KopfRunner(args, timeout=60) as runner:
         yield runner
     assert runner.exit_code == 0, runner.output[-4000:]
@@ -180,6 +182,19 @@ class World:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, self.ns, PLURAL, name, {"status": dict(patch)}, _content_type=MERGE
         )
+
+    def passes(self, name: str) -> float:
+        """Passes the in-process operator's loop has made for `name` (its own metric)."""
+        value = REGISTRY.get_sample_value(
+            "rankguard_operator_passes_total", {"namespace": self.ns, "llmservice": name}
+        )
+        return value or 0.0
+
+    def let_the_loop_look(self, name: str, passes: int = QUIET_PASSES) -> None:
+        """Before asserting that nothing happened: wait until the loop has made `passes` more
+        passes, so "nothing" means it looked (a stalled loop would fail here, not pass)."""
+        start = self.passes(name)
+        wait_for(f"{passes} more passes of {name}'s loop", lambda: self.passes(name) >= start + passes)
 
     def condition(self, name: str, type_: str) -> dict[str, Any]:
         for c in self.status(name).get("conditions") or []:
@@ -260,7 +275,7 @@ class World:
                 ],
                 "containerStatuses": [
                     {
-                        "name": render.VLLM_CONTAINER,
+                        "name": VLLM_CONTAINER,
                         "image": IMAGE,
                         "imageID": "",
                         "containerID": f"containerd://{uuid.uuid4().hex}",
@@ -282,7 +297,7 @@ class World:
         t = now_iso()
         run = {"containerID": f"containerd://{pod_name}-0", "startedAt": t, "finishedAt": t, **terminated}
         container: dict[str, Any] = {
-            "name": render.VLLM_CONTAINER,
+            "name": VLLM_CONTAINER,
             "image": IMAGE,
             "imageID": "",
             "ready": False,
@@ -316,7 +331,7 @@ def world(api: client.ApiClient, op_namespace: str, operator_env: None) -> World
 
 def vllm_container(deployment: Mapping[str, Any]) -> dict[str, Any]:
     for c in deployment["spec"]["template"]["spec"]["containers"]:
-        if c["name"] == render.VLLM_CONTAINER:
+        if c["name"] == VLLM_CONTAINER:
             return dict(c)
     raise AssertionError("the Deployment has no vllm container")
 
@@ -469,10 +484,12 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
         flags = ServingFlags.from_status(status["servingFlags"])
         assert flags is not None
         # The first budget is the planner's, from the spec's GPU size (no agent has reported yet).
-        plan = policy.initial_plan(spec)
+        plan = prior_plan(spec)
         assert plan is not None and flags.kv_cache_memory_bytes == plan.kv_cache_memory_bytes
         uid = created["metadata"]["uid"]
-        want = render.render_deployment("svc", world.ns, uid, spec, flags, agent_image=loop.AGENT_IMAGE)
+        want = render.render_deployment(
+            "svc", world.ns, uid, spec, flags, agent_image=DEFAULT_AGENT_IMAGE, plan=plan
+        )
         live = world.deployment("svc")
         assert live is not None
         assert_subset(want, live)
@@ -510,7 +527,7 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
         ]
         template_annotations = live["spec"]["template"]["metadata"]["annotations"]
         assert template_annotations == want["spec"]["template"]["metadata"]["annotations"]
-        assert json.loads(template_annotations[render.FLAGS_ANNOTATION]) == flags.to_status()
+        assert json.loads(template_annotations[FLAGS_ANNOTATION]) == flags.to_status()
 
         service = world.core.read_namespaced_service("svc", world.ns)
         live_service = world.as_dict(service)
@@ -587,7 +604,7 @@ def test_cuda_oom_on_rank0_rolls_once_to_a_smaller_budget_then_ready(world: Worl
         )
         new_kv = kv_flag(rolled)
         assert old_kv - GiB - 64 * MiB < new_kv <= old_kv - GiB, (old_kv, new_kv)
-        assert rolled["metadata"]["annotations"][loop.REMEDIATION_ID]
+        assert rolled["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION]
 
         status = wait_for(
             "the remediation in status",
@@ -617,7 +634,7 @@ def test_cuda_oom_on_rank0_rolls_once_to_a_smaller_budget_then_ready(world: Worl
         assert status["ready"] == "1/1"
 
         # Still exactly one roll, one history entry and one Warning Event.
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         assert world.generation("svc") == generation + 1
         assert len(world.status("svc")["remediations"]) == 1
         assert [e["reason"] for e in world.warning_events("svc")] == ["ShrankKVCache"]
@@ -648,16 +665,16 @@ def test_the_same_termination_delivered_again_does_not_roll_again(world: World) 
         # whose metadata changed: a new event for the same termination.
         world.patch_pod(pod, {"metadata": {"annotations": {"example.com/touched": "1"}}})
         world.kubelet_terminated(pod, oom, restarted=True)
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         assert world.generation("svc") == generation + 1
 
         # Once more, with the pod no longer saying which flags it ran: only the record of handled
         # terminations (status.handledTerminations) now stands between this event and a roll.
         world.patch_pod(
-            pod, {"metadata": {"annotations": {render.FLAGS_ANNOTATION: None, "example.com/touched": "2"}}}
+            pod, {"metadata": {"annotations": {FLAGS_ANNOTATION: None, "example.com/touched": "2"}}}
         )
         world.kubelet_terminated(pod, oom, restarted=True)
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         assert world.generation("svc") == generation + 1
         status = world.status("svc")
         assert len(status["remediations"]) == 1
@@ -702,11 +719,11 @@ def test_restart_between_the_decision_and_the_patch_rolls_exactly_once(world: Wo
             "the pending remediation to be finished",
             lambda: (s := world.status("svc")) and not s.get("pendingRemediation") and s,
         )
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         rolled = world.deployment("svc")
         assert rolled is not None
         assert rolled["metadata"]["generation"] == generation + 1
-        assert rolled["metadata"]["annotations"][loop.REMEDIATION_ID] == "rg-0001"
+        assert rolled["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION] == "rg-0001"
         assert kv_flag(rolled) == target.kv_cache_memory_bytes
         status = world.status("svc")
         assert status["servingFlags"] == target.to_status()
@@ -734,8 +751,9 @@ def test_restart_after_the_patch_does_not_roll_again(world: World) -> None:
         created["metadata"]["uid"],
         spec,
         target,
-        agent_image=loop.AGENT_IMAGE,
-        revision_annotations={loop.REMEDIATION_ID: "rg-0002"},
+        agent_image=DEFAULT_AGENT_IMAGE,
+        plan=prior_plan(spec),
+        revision_annotations={REMEDIATION_ID_ANNOTATION: "rg-0002"},
     )
     world.apps.patch_namespaced_deployment(
         "svc",
@@ -751,7 +769,7 @@ def test_restart_after_the_patch_does_not_roll_again(world: World) -> None:
         wait_for(
             "the pending remediation to be cleared", lambda: not world.status("svc").get("pendingRemediation")
         )
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         assert world.generation("svc") == generation
         live = world.deployment("svc")
         assert live is not None and kv_flag(live) == target.kv_cache_memory_bytes
@@ -780,7 +798,7 @@ def test_crash_after_writing_the_decision_is_finished_by_the_next_operator(world
                 "validations": [
                     {
                         "expression": "!has(object.metadata.annotations) || "
-                        f"!('{loop.REMEDIATION_ID}' in object.metadata.annotations)",
+                        f"!('{REMEDIATION_ID_ANNOTATION}' in object.metadata.annotations)",
                         "message": "remediation rolls are frozen in this namespace",
                     }
                 ],
@@ -820,7 +838,7 @@ def test_crash_after_writing_the_decision_is_finished_by_the_next_operator(world
             world.apps.patch_namespaced_deployment(
                 "vap-probe",
                 world.ns,
-                {"metadata": {"annotations": {loop.REMEDIATION_ID: "x"}}},
+                {"metadata": {"annotations": {REMEDIATION_ID_ANNOTATION: "x"}}},
                 dry_run="All",
             )
         except ApiException as e:
@@ -838,7 +856,18 @@ def test_crash_after_writing_the_decision_is_finished_by_the_next_operator(world
             pending = wait_for(
                 "the decision in status", lambda: world.status("svc").get("pendingRemediation")
             )
-            time.sleep(QUIET)
+            # The refusal is on the LLMService, in the API server's words (before: logged every
+            # pass, with no condition and no Event).
+            degraded = wait_for(
+                "the refusal as a condition",
+                lambda: (c := world.condition("svc", "Degraded")).get("reason") == "ApplyRefused" and c,
+            )
+            assert degraded["status"] == "True"
+            assert "remediation rolls are frozen in this namespace" in degraded["message"]
+            world.let_the_loop_look("svc")
+            refusals = [e for e in world.warning_events("svc") if e["reason"] == "ApplyRefused"]
+            assert len(refusals) == 1, refusals  # once, not once per pass
+            assert world.status("svc")["pendingRemediation"]["id"] == pending["id"]  # the same one
         assert world.generation("svc") == generation  # the roll never landed
         assert not world.status("svc").get("remediations")  # nor was it recorded as done
     finally:
@@ -850,11 +879,11 @@ def test_crash_after_writing_the_decision_is_finished_by_the_next_operator(world
             "the pending remediation to be finished",
             lambda: not world.status("svc").get("pendingRemediation"),
         )
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         rolled = world.deployment("svc")
         assert rolled is not None
         assert rolled["metadata"]["generation"] == generation + 1
-        assert rolled["metadata"]["annotations"][loop.REMEDIATION_ID] == pending["id"]
+        assert rolled["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION] == pending["id"]
         assert kv_flag(rolled) == pending["toFlags"]["kvCacheMemoryBytes"]
         assert kv_flag(rolled) < pending["fromFlags"]["kvCacheMemoryBytes"]
         st = world.status("svc")
@@ -899,7 +928,7 @@ def test_oomkilled_raises_the_memory_limit(world: World) -> None:
         status = wait_for("the history entry", lambda: (s := world.status("svc")).get("remediations") and s)
         [entry] = status["remediations"]
         assert entry["trigger"] == "OOMKilled" and entry["action"] == "BumpMemoryLimit"
-        time.sleep(QUIET)
+        world.let_the_loop_look("svc")
         assert world.generation("svc") == generation + 1
 
 

@@ -28,7 +28,16 @@ from rankguard_sim.world import (
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
-__all__ = ["GROUP", "PLURAL", "VERSION", "apply_service", "condition", "example", "get_service", "wait_for"]
+__all__ = [
+    "GROUP",
+    "PLURAL",
+    "VERSION",
+    "apply_service",
+    "condition",
+    "example",
+    "get_llmservice",
+    "wait_for",
+]
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +97,7 @@ def apply_service(api: client.ApiClient, namespace: str, doc: dict[str, Any]) ->
     )
 
 
-def get_service(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+def get_llmservice(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     return dict(
         client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     )

@@ -28,7 +28,7 @@ from kubernetes.client.rest import ApiException
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.world import OperatorProcess
 
-from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_service, wait_for
+from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_llmservice, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -170,7 +170,7 @@ def _delete_services_and_wait(api: client.ApiClient, ns: str) -> None:
 
 
 def _remediated_and_ready(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
-    svc = get_service(api, ns, name)
+    svc = get_llmservice(api, ns, name)
     ready = condition(svc, "Ready")
     st = svc.get("status") or {}
     if not (ready and ready["status"] == "True" and st.get("ranks") and st.get("minHeadroom")):
@@ -210,7 +210,7 @@ def test_operator_with_only_the_charts_account_remediates_to_ready(
         lambda: _remediated_and_ready(api, ns, name),
         240,
         dump=lambda: {
-            "status": get_service(api, ns, name).get("status"),
+            "status": get_llmservice(api, ns, name).get("status"),
             "refused": _refused_lines(account_operator.log)[-10:],
         },
     )

@@ -12,13 +12,13 @@ from kubernetes import client
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.kubelet import wait_for_pids_gone
 
-from .conftest import apply_service, condition, example, get_service, wait_for
+from .conftest import apply_service, condition, example, get_llmservice, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def _ready(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
-    svc = get_service(api, ns, name)
+    svc = get_llmservice(api, ns, name)
     c = condition(svc, "Ready")
     st = svc.get("status") or {}
     if c and c["status"] == "True" and st.get("ranks") and st.get("minHeadroom"):
@@ -43,7 +43,7 @@ def test_rank0_oom_is_remediated_to_ready_with_headroom(
         "a CUDA OOM remediation and a Ready service",
         remediated_and_ready,
         240,
-        dump=lambda: get_service(api, e2e_namespace, name).get("status"),
+        dump=lambda: get_llmservice(api, e2e_namespace, name).get("status"),
     )
     st = svc["status"]
     ooms = [r for r in st.get("remediations", []) if r["trigger"] == "CUDAOutOfMemory"]
@@ -90,7 +90,22 @@ def test_pipeline_terminal_rank_is_the_bottleneck_and_the_budget_follows_it(
         },
     }
     apply_service(api, e2e_namespace, doc)
-    svc = wait_for("the PP service to be Ready with headroom", lambda: _ready(api, e2e_namespace, "pp"), 240)
+
+    def ready_and_stages_differ() -> dict[str, Any] | None:
+        # Right after a start every rank can show the same idle figure (a tie, which names rank
+        # 0); the pipeline-terminal stage shows its extra memory once traffic reaches it. Wait
+        # for what the story is about: Ready, with the agents' figures telling the stages apart.
+        svc = _ready(api, e2e_namespace, "pp")
+        ranks = (svc or {}).get("status", {}).get("ranks") or []
+        fresh = [r for r in ranks if not r.get("stale")]
+        return svc if len(fresh) == 4 and len({r["minFreeBytes"] for r in fresh}) > 1 else None
+
+    svc = wait_for(
+        "the PP service to be Ready, its stages' headroom apart",
+        ready_and_stages_differ,
+        240,
+        dump=lambda: get_llmservice(api, e2e_namespace, "pp").get("status"),
+    )
     st = svc["status"]
     assert st["bottleneckRank"] != 0, st["ranks"]
     assert st["bottleneckRank"] in (2, 3)  # the pipeline-terminal stage
@@ -178,7 +193,7 @@ def test_a_roll_that_fails_for_a_non_memory_reason_is_rolled_back(
         "Ready with last-known-good flags recorded",
         known_good,
         240,
-        dump=lambda: get_service(api, e2e_namespace, "rb").get("status"),
+        dump=lambda: get_llmservice(api, e2e_namespace, "rb").get("status"),
     )["status"]["servingFlags"]
 
     # The node's driver breaks for the next start of a vLLM container (nothing to do with memory),
@@ -192,7 +207,7 @@ def test_a_roll_that_fails_for_a_non_memory_reason_is_rolled_back(
     seen_degraded: list[str] = []
 
     def rolled_back_and_ready() -> dict[str, Any] | None:
-        svc = get_service(api, e2e_namespace, "rb")
+        svc = get_llmservice(api, e2e_namespace, "rb")
         deg = condition(svc, "Degraded")
         if deg and deg["status"] == "True":
             seen_degraded.append(deg.get("message", ""))
@@ -203,7 +218,7 @@ def test_a_roll_that_fails_for_a_non_memory_reason_is_rolled_back(
         "a rollback to the last known good flags, then Ready",
         rolled_back_and_ready,
         240,
-        dump=lambda: get_service(api, e2e_namespace, "rb").get("status"),
+        dump=lambda: get_llmservice(api, e2e_namespace, "rb").get("status"),
     )
     st = svc["status"]
     rb = [r for r in st["remediations"] if r.get("action") == "Rollback"][-1]

@@ -32,7 +32,7 @@ from rankguard_agent.termination import (
     TerminationMessage,
     parse_termination_message,
 )
-from rankguard_agent.verdict import decide, exit_code_of, rank_of_gpu
+from rankguard_agent.verdict import exit_code_of, rank_of_gpu, termination_message
 
 AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"
 GIB = 1 << 30
@@ -385,16 +385,20 @@ def test_exit_code_of_follows_the_shell() -> None:
 def test_verdicts() -> None:
     oom = CudaOom(text="x", gpu_index=5, requested_bytes=10, free_bytes=1, total_bytes=100)
     kv = KVObservation("kv_cache_tokens", 10.0, "GPU KV cache size: 10 tokens")
-    m = decide(1, oom, kv, n_ranks=8)
+    m = termination_message(1, oom, kv, n_ranks=8)
     assert (m.reason, m.rank, m.requested_bytes, m.last_kv_line) == (CUDA_OOM, 5, 10, kv.text)
-    assert decide(1, oom, None, n_ranks=2).rank is None  # GPU 5 of a 2-GPU pod: do not guess
-    assert decide(-9, oom, None, n_ranks=8).reason == CUDA_OOM  # the cause beats the way it died
-    assert decide(0, oom, None, n_ranks=8).reason == COMPLETED
-    small = decide(1, KVTooSmall(text="t", max_seq_len=4, needed_bytes=2, available_bytes=1), None, 1)
+    assert termination_message(1, oom, None, n_ranks=2).rank is None  # GPU 5 of a 2-GPU pod: do not guess
+    assert termination_message(-9, oom, None, n_ranks=8).reason == CUDA_OOM  # the cause beats the way it died
+    assert termination_message(0, oom, None, n_ranks=8).reason == COMPLETED
+    small = termination_message(
+        1, KVTooSmall(text="t", max_seq_len=4, needed_bytes=2, available_bytes=1), None, 1
+    )
     assert (small.reason, small.requested_bytes, small.free_bytes) == (KV_CACHE_TOO_SMALL, 2, 1)
-    assert decide(-15, None, None, 1).signal == 15
-    assert decide(2, None, None, 1).reason == ENGINE_ERROR
-    huge = decide(1, CudaOom(text="q" * 50_000, gpu_index=0), KVObservation("k", 1.0, "k" * 50_000), 1)
+    assert termination_message(-15, None, None, 1).signal == 15
+    assert termination_message(2, None, None, 1).reason == ENGINE_ERROR
+    huge = termination_message(
+        1, CudaOom(text="q" * 50_000, gpu_index=0), KVObservation("k", 1.0, "k" * 50_000), 1
+    )
     assert len(huge.to_json().encode()) <= MAX_TERMINATION_BYTES
     assert json.loads(huge.to_json())["reason"] == CUDA_OOM
     assert rank_of_gpu(None, 4) is None and rank_of_gpu(3, 4) == 3 and rank_of_gpu(3, 0) == 3
@@ -406,6 +410,6 @@ def test_an_engine_error_carries_the_last_error_line_a_person_needs() -> None:
     obs.on_line("ERROR 11-29 [core.py:42] RuntimeError: CUDA error: uncorrectable ECC error encountered")
     obs.on_line("INFO 11-29 shutting down")
     assert obs.cause is None and obs.last_error is not None and "ECC" in obs.last_error
-    m = decide(1, obs.cause, obs.last_kv, 4, last_error=obs.last_error)
+    m = termination_message(1, obs.cause, obs.last_kv, 4, last_error=obs.last_error)
     assert m.reason == ENGINE_ERROR and m.detail is not None and "ECC" in m.detail
-    assert decide(1, None, None, 4).detail is None  # nothing recognised: nothing invented
+    assert termination_message(1, None, None, 4).detail is None  # nothing recognised: nothing invented

@@ -1,8 +1,10 @@
 """bench/compare_strategies.py: the three KV strategies over the simulated world.
 
 The bench is a script, not a package, so it is imported from its folder. Every check here
-compares the bench's answers with the world's own (`rankguard_sim.scenario`), so a bench that
-reported the policy's beliefs instead of the world's outcome would fail.
+compares the bench's answers with the world's own (`rankguard_sim.engine_outcome`), so a bench
+that reported the operator's beliefs instead of the world's outcome would fail; and rankguard's
+runs are the operator's own `reconcile.step` on API-shaped objects, started from the command
+line in the Deployment that step applied.
 """
 
 from __future__ import annotations
@@ -10,15 +12,27 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.headroom import aggregate
-from rankguard_operator.observe import CUDA_OOM
-from rankguard_operator.render import vllm_args
-from rankguard_operator.spec import parse_spec
-from rankguard_sim.scenario import GIB, builtin_names, load_scenario, outcome, true_max_safe_kv
+from rankguard_operator.core import reconcile
+from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import aggregate
+from rankguard_operator.core.observe import (
+    CUDA_OOM,
+    deployment_template_hash,
+    pod_flags,
+    pod_ready,
+    rollout_state,
+    terminations,
+)
+from rankguard_operator.core.render import render_deployment, vllm_args
+from rankguard_operator.core.spec import parse_spec
+from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
+from rankguard_sim.scenario_data import GIB, Scenario
+from rankguard_sim.scenario_file import builtin_names, load_scenario
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -114,16 +128,25 @@ def test_the_target_check_can_fail() -> None:
     assert "MISSED" in cs.render_table([replace(c, rankguard=replace(good, capacity=0.96))])
 
 
-def test_a_crash_reaches_the_policy_as_the_agent_and_kubelet_report_it() -> None:
+def test_a_crash_reaches_the_step_as_the_agent_and_kubelet_report_it() -> None:
     scenario = load_scenario("tp2-pp2")
     flags = ServingFlags(kv_cache_memory_bytes=15 * GIB)
     spec = parse_spec(cs.spec_for(scenario))
-    run = cs.run_world(scenario, cs.engine_args(vllm_args(spec, flags)))
+    plan = prior_plan(spec)
+    deployment = render_deployment("svc", "ns", "uid", spec, flags, agent_image=cs.AGENT_IMAGE, plan=plan)
+    pod = cs.new_pod(deployment, "p", "u", "10.0.0.1")
+    # the pod runs what the operator rendered
+    argv = cs.pod_argv(pod)
+    assert argv == vllm_args(spec, flags, plan)
+    run = cs.run_world(scenario, argv)
     assert run.crashed and run.ready
-    [t] = cs.crash_termination(run, flags, pod="p", uid="u", now=cs.T0, n_ranks=scenario.world_size)
+    pod = cs.crashed(pod, run, restarts=1, now=cs.T0, n_ranks=scenario.world_size)
+    assert not pod_ready(pod)
+    [t] = terminations(pod)
     assert t.kind == CUDA_OOM
     assert t.rank == run.outcome.rank == 2
-    assert t.flags == flags
+    assert t.flags == flags == pod_flags(pod)
+    assert (t.pod_uid, t.restart_count, t.finished_at) == ("u", 0, cs.T0)
     assert t.total_bytes == pytest.approx(scenario.gpu.total_bytes, rel=1e-3)
     # figures come from PyTorch's printed message (two decimals), so close to the world's bytes
     assert run.outcome.requested_bytes is not None and run.outcome.free_bytes is not None
@@ -131,10 +154,59 @@ def test_a_crash_reaches_the_policy_as_the_agent_and_kubelet_report_it() -> None
     assert t.free_bytes == pytest.approx(run.outcome.free_bytes, rel=1e-2)
 
 
+def test_each_pass_is_the_operators_step_on_what_it_applied() -> None:
+    scenario = load_scenario("llama3-70b-tp4")
+    loop = cs.RankguardLoop(scenario)
+    # the first pass (`kubectl apply`) rendered the initial flags and wrote them to the status
+    assert loop.deployment is not None and loop.service is not None
+    assert loop.status["servingFlags"] == loop.flags.to_status()
+    assert [e.type for e in loop.events] == ["Normal"]  # the initial plan, nothing to warn about
+    argv = loop.start_pod(1)
+    assert argv == vllm_args(loop.spec, loop.flags, prior_plan(loop.spec))
+    assert pod_flags(loop.pod or {}) == loop.flags and not loop.rolled
+    live = deployment_template_hash(loop.deployment)
+    assert live is not None
+    assert rollout_state(loop.deployment, live).phase == "progressing"
+    assert reconcile.scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}]) == []
+    run = cs.run_world(scenario, argv)
+    loop.now += cs.STARTUP_SECONDS
+    loop.pod_ready()
+    assert rollout_state(loop.deployment, live).complete
+    assert [t[0] for t in reconcile.scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}])] == [
+        "llama3-70b-tp4-1"
+    ]
+    d = loop.operator_pass(run.idle_free, run.startup_min_free)
+    # the probe only tightens, and this budget is within it: no change, and the step took the
+    # complete rollout with fresh reports of ample headroom as proof of the flags
+    assert not d.changes_flags and not loop.rolled
+    assert d.trigger == "Steady"
+    assert loop.state.last_known_good == loop.flags
+
+
+def test_a_crash_under_a_utilisation_start_is_shrunk_and_the_shrunk_run_survives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # spec.memory.gpuMemoryUtilization 0.92: the world crashes there, and rankguard must read
+    # the crash from the pod, switch to a byte budget the world survives, in one roll.
+    spec_for = cs.spec_for
+
+    def at_0_92(scenario: Scenario, *, probe: bool = True) -> dict[str, Any]:
+        doc = spec_for(scenario, probe=probe)
+        doc["memory"]["gpuMemoryUtilization"] = 0.92
+        return doc
+
+    monkeypatch.setattr(cs, "spec_for", at_0_92)
+    scenario = load_scenario("tp2-pp2")
+    rg = cs.simulate_rankguard(scenario, true_max_safe_kv(scenario))
+    assert rg.stable and rg.crashes == 1 and rg.runs == 2, rg.trace
+    assert any(" shrink (CUDAOutOfMemory) -> kv " in line for line in rg.trace)
+    kv = round(float(rg.final_flags.removeprefix("kv ").removesuffix(" GiB")) * GIB)
+    assert not outcome(scenario, kv_cache_memory_bytes=kv).crashes
+
+
 def test_the_agent_report_carries_the_worlds_probe_cost_and_free_memory() -> None:
     scenario = load_scenario("tp2-pp2")
-    args = cs.engine_args(cs.utilization_argv(scenario, 0.57))
-    run = cs.run_world(scenario, args)
+    run = cs.run_world(scenario, cs.utilization_argv(scenario, 0.57))
     assert run.cycle_min_free is not None
     report = cs.agent_report(scenario, run.idle_free, run.cycle_min_free, cs.T0)
     obs = aggregate([("p", report, cs.T0)], cs.T0, cs.STALE_AFTER)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rankguard_operator.cli import main
-from rankguard_operator.models import resolve_model
-from rankguard_operator.planner import PlanInput, make_plan
-from rankguard_operator.units import GiB
+from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.planner import PlanInput, make_plan
+from rankguard_operator.core.units import GiB
 
 ISSUE_EXAMPLE = [
     "plan",

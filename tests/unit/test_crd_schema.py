@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS, resolve_model
-from rankguard_operator.planner import (
+from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS, resolve_model
+from rankguard_operator.core.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,

@@ -18,8 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_sim import fake_vllm, gpus
-from rankguard_sim import scenario as S
+from rankguard_sim import fake_vllm, gpus, vllm_args, vllm_console, vllm_ledger
+from rankguard_sim.engine_config import engine_config
+from rankguard_sim.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
+from rankguard_sim.engine_memory import TAG_TRANSIENT, rank_memory
+from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
+from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.scenario_file import SCENARIO_ENV, load_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
@@ -35,7 +40,7 @@ OOM_LINE = re.compile(
 class World:
     root: Path
     uuids: list[str]
-    scenario: S.Scenario
+    scenario: Scenario
     logs: Path
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -45,7 +50,7 @@ class World:
             "HOME": os.environ.get("HOME", "/tmp"),
             gpus.GPU_ROOT_ENV: str(self.root),
             gpus.VISIBLE_DEVICES_ENV: ",".join(self.uuids),
-            S.SCENARIO_ENV: self.scenario.name,
+            SCENARIO_ENV: self.scenario.name,
             fake_vllm.TIME_SCALE_ENV: "50",
             fake_vllm.PEAK_HOLD_ENV: "0.05",
         }
@@ -73,7 +78,7 @@ class Runner:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def world(self, name: str, gpu_count: int | None = None) -> World:
-        s = S.load_scenario(name)
+        s = load_scenario(name)
         root = self.tmp_path / f"gpus-{name}"
         uuids = gpus.create_gpus(root, gpu_count or s.world_size, s.gpu.total_bytes, seed=name)
         for rank, uuid in enumerate(uuids[: s.world_size]):
@@ -153,7 +158,7 @@ def the_oom(stderr: str) -> re.Match[str]:
 
 def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(runner: Runner) -> None:
     world = runner.world("llama3-70b-tp4")
-    expected = S.outcome(world.scenario, gpu_memory_utilization=0.87)
+    expected = outcome(world.scenario, gpu_memory_utilization=0.87)
     assert not expected.crashes
     port = free_port()
     args = model_args(world, "--gpu_memory_utilization=0.87", "--port", str(port), "--host", "127.0.0.1")
@@ -216,7 +221,7 @@ def test_a_running_load_reports_running_and_waiting_requests(runner: Runner) -> 
 
 def test_default_utilisation_ooms_on_rank0_with_the_real_torch_message(runner: Runner) -> None:
     world = runner.world("llama3-70b-tp4")
-    expected = S.outcome(world.scenario)
+    expected = outcome(world.scenario)
     assert expected.crashes and expected.rank == 0 and expected.requested_bytes is not None
     rc, out, err = runner.run(world, model_args(world, "--port", str(free_port())))
     assert rc == 1
@@ -239,11 +244,11 @@ def test_default_utilisation_ooms_on_rank0_with_the_real_torch_message(runner: R
 
 def test_an_over_large_kv_budget_ooms_rank0_first(runner: Runner) -> None:
     world = runner.world("llama3-70b-tp4")
-    safe = S.true_max_safe_kv(world.scenario)
-    block = S.rank_memory(world.scenario, S.engine_config(world.scenario))[0].block_bytes
+    safe = true_max_safe_kv(world.scenario)
+    block = rank_memory(world.scenario, engine_config(world.scenario))[0].block_bytes
     budget = (safe.num_gpu_blocks + 400) * block  # over rank 0's edge, under ranks 1-3's
     assert budget < min(safe.headroom_per_rank[1:])
-    expected = S.outcome(world.scenario, kv_cache_memory_bytes=budget)
+    expected = outcome(world.scenario, kv_cache_memory_bytes=budget)
     assert expected.rank == 0
     rc, out, err = runner.run(
         world, model_args(world, "--kv-cache-memory-bytes", str(budget), "--port", str(free_port()))
@@ -259,7 +264,7 @@ def test_the_pp_scenario_runs_out_on_a_pipeline_terminal_rank(runner: Runner) ->
     rc, _, err = runner.run(world, model_args(world, "--port", str(free_port())))
     assert rc == 1
     gpu = int(the_oom(err).group(3))
-    assert gpu in (2, 3) and gpu == S.outcome(world.scenario).rank
+    assert gpu in (2, 3) and gpu == outcome(world.scenario).rank
     assert f"(Worker_PP1_TP{gpu - 2} pid=" in err
     assert world.files() == []
 
@@ -362,18 +367,18 @@ def test_host_memory_is_reported_and_sigterm_during_startup_exits_0(runner: Runn
 
 
 def test_vllm_size_syntax_and_flexible_flag_names() -> None:
-    assert fake_vllm.human_readable_int("25k") == 25_000
-    assert fake_vllm.human_readable_int("25K") == 25 * 1024
-    assert fake_vllm.human_readable_int("2G") == 2 * GIB
-    assert fake_vllm.human_readable_int("1234") == 1234
-    assert fake_vllm.normalize_argv(["serve", "m_x", "--max_model_len=8", "--kv_cache_dtype", "fp8"]) == [
+    assert vllm_args.human_readable_int("25k") == 25_000
+    assert vllm_args.human_readable_int("25K") == 25 * 1024
+    assert vllm_args.human_readable_int("2G") == 2 * GIB
+    assert vllm_args.human_readable_int("1234") == 1234
+    assert vllm_args.normalize_argv(["serve", "m_x", "--max_model_len=8", "--kv_cache_dtype", "fp8"]) == [
         "serve",
         "m_x",
         "--max-model-len=8",
         "--kv-cache-dtype",
         "fp8",
     ]
-    args = fake_vllm.parse_args(
+    args = vllm_args.parse_args(
         ["serve", "m", "-tp", "4", "--kv_cache_memory_bytes", "30G", "--no-enforce-eager"]
     )
     assert (args.tensor_parallel_size, args.kv_cache_memory_bytes, args.enforce_eager) == (4, 30 * GIB, False)
@@ -381,12 +386,12 @@ def test_vllm_size_syntax_and_flexible_flag_names() -> None:
 
 def test_cuda_visible_devices_narrows_the_pods_gpus() -> None:
     env = {"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c", "CUDA_VISIBLE_DEVICES": "2,0"}
-    assert fake_vllm.select_gpus(env) == ["GPU-c", "GPU-a"]
-    assert fake_vllm.select_gpus({"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
+    assert vllm_ledger.select_gpus(env) == ["GPU-c", "GPU-a"]
+    assert vllm_ledger.select_gpus({"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
 
 
 def test_sampler_warmup_oom_is_chained_like_vllm() -> None:
-    oom = S.CudaOutOfMemory(
+    oom = CudaOutOfMemory(
         1,
         "sampler-warmup",
         nbytes=300 * MIB,
@@ -395,9 +400,9 @@ def test_sampler_warmup_oom_is_chained_like_vllm() -> None:
         process_bytes=79 * GIB,
         torch_allocated=70 * GIB,
         private_pools=0,
-        what=S.TAG_TRANSIENT,
+        what=TAG_TRANSIENT,
     )
-    lines = fake_vllm.failure_lines(S.SamplerWarmupOOM(oom, 256))
+    lines = vllm_console.failure_lines(SamplerWarmupOOM(oom, 256))
     text = "\n".join(lines)
     assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 300.00 MiB. GPU 1 " in text
     assert "The above exception was the direct cause of the following exception:" in text

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.models import (
+from rankguard_operator.core.models import (
     CATALOG,
     REQUIRED_OVERRIDE_KEYS,
     SHAPE_OVERRIDE_KEYS,

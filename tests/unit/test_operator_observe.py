@@ -8,20 +8,20 @@ from typing import Any
 import pytest
 
 from rankguard_agent.termination import TerminationMessage
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.observe import (
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.observe import (
+    carried_template_hash,
     format_time,
     new_terminations,
     parse_time,
     pod_flags,
     pod_ip,
     pod_ready,
-    pod_template_hash,
     rollout_state,
     terminations,
 )
-from rankguard_operator.render import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
-from rankguard_operator.units import GiB, MiB
+from rankguard_operator.core.render import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
+from rankguard_operator.core.units import GiB, MiB
 
 GIB_2 = 2 * GiB
 OOM_JSON = TerminationMessage(
@@ -181,10 +181,10 @@ def test_flags_and_hash_come_from_the_pod_annotations() -> None:
     }
     p = pod(last=terminated(OOM_JSON), annotations=ann)
     flags = ServingFlags(kv_cache_memory_bytes=1000, memory_limit_bytes=64 * GiB)
-    assert pod_flags(p) == flags and pod_template_hash(p) == "h1"
+    assert pod_flags(p) == flags and carried_template_hash(p) == "h1"
     assert terminations(p)[0].flags == flags
     bad = pod(annotations={FLAGS_ANNOTATION: "{not json"})
-    assert pod_flags(bad) is None and pod_template_hash(bad) is None
+    assert pod_flags(bad) is None and carried_template_hash(bad) is None
 
 
 def test_nothing_to_report() -> None:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.budget import (
+from rankguard_operator.core.budget import (
     block_unit,
     budget_key,
     initial_plan,
@@ -25,12 +25,12 @@ from rankguard_operator.budget import (
     round_down,
     utilization_kv_bytes,
 )
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.headroom import Observation, RankHeadroom
-from rankguard_operator.history import Remediation
-from rankguard_operator.observe import RolloutState, Termination
-from rankguard_operator.planner import Plan, RankMeasurement
-from rankguard_operator.policy import (
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import Observation, RankHeadroom
+from rankguard_operator.core.history import Remediation
+from rankguard_operator.core.observe import RolloutState, Termination
+from rankguard_operator.core.planner import Plan, RankMeasurement
+from rankguard_operator.core.policy import (
     Decision,
     PolicyInput,
     decide,
@@ -38,8 +38,8 @@ from rankguard_operator.policy import (
     track_ample_headroom,
     track_low_headroom,
 )
-from rankguard_operator.spec import ServiceSpec, SpecError, parse_spec
-from rankguard_operator.units import GiB, MiB
+from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.units import GiB, MiB
 
 DOC: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-70B"},

@@ -9,22 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.render import (
-    FLAGS_ANNOTATION,
-    OWNED_FLAGS,
-    TEMPLATE_HASH_ANNOTATION,
-    conflicting_flags,
-    extra_args_conflicts,
-    labels,
-    render_deployment,
-    render_service,
-    selector,
-    template_hash,
-    vllm_args,
-)
-from rankguard_operator.spec import ServiceSpec, parse_spec
-from rankguard_operator.units import GiB
+from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
+from rankguard_operator.core.owned_flags import OWNED_FLAGS, conflicting_flags, extra_args_conflicts
+from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
+from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.units import GiB
 
 BASE: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-70B"},
@@ -43,6 +35,14 @@ def spec_of(**changes: Any) -> ServiceSpec:
     return parse_spec(doc)
 
 
+def plan_of(spec: ServiceSpec) -> Plan | None:
+    """The prior plan the operator renders with (None where the spec needs a ConfigMap read)."""
+    try:
+        return prior_plan(spec)
+    except SpecError:
+        return None
+
+
 def deployment(
     spec: ServiceSpec | None = None, flags: ServingFlags | None = None, **kw: Any
 ) -> dict[str, Any]:
@@ -53,6 +53,7 @@ def deployment(
         spec or spec_of(),
         flags or ServingFlags(kv_cache_memory_bytes=KV),
         agent_image="ghcr.io/rankguard/agent:0.1.0",
+        plan=plan_of(spec or spec_of()),
         **kw,
     )
 
@@ -247,7 +248,7 @@ def test_vllm_args_with_utilisation_pp_and_eager() -> None:
         pipelineParallelSize=2,
         engine={"maxNumSeqs": 64, "kvCacheDtype": "fp8", "enforceEager": True, "extraArgs": ["--seed", "1"]},
     )
-    assert vllm_args(s, ServingFlags(gpu_memory_utilization=0.92)) == [
+    assert vllm_args(s, ServingFlags(gpu_memory_utilization=0.92), prior_plan(s)) == [
         "serve", "meta-llama/Meta-Llama-3-70B",
         "--tensor-parallel-size", "4",
         "--pipeline-parallel-size", "2",
@@ -265,9 +266,9 @@ def test_vllm_args_with_utilisation_pp_and_eager() -> None:
 
 def test_byte_budget_wins_over_utilisation_and_none_renders_no_budget_flag() -> None:
     s = spec_of()
-    both = vllm_args(s, ServingFlags(kv_cache_memory_bytes=KV, gpu_memory_utilization=0.9))
+    both = vllm_args(s, ServingFlags(kv_cache_memory_bytes=KV, gpu_memory_utilization=0.9), prior_plan(s))
     assert "--kv-cache-memory-bytes" in both and "--gpu-memory-utilization" not in both
-    neither = vllm_args(s, ServingFlags())
+    neither = vllm_args(s, ServingFlags(), prior_plan(s))
     assert "--kv-cache-memory-bytes" not in neither and "--gpu-memory-utilization" not in neither
     assert "--pipeline-parallel-size" not in neither  # pp 1 is vLLM's default; not rendered
 
@@ -277,7 +278,9 @@ def test_byte_budget_wins_over_utilisation_and_none_renders_no_budget_flag() -> 
     util=st.one_of(st.none(), st.floats(0.01, 1.0)),
 )
 def test_exactly_one_budget_flag_and_it_round_trips(kv: int | None, util: float | None) -> None:
-    args = vllm_args(spec_of(), ServingFlags(kv_cache_memory_bytes=kv, gpu_memory_utilization=util))
+    args = vllm_args(
+        spec_of(), ServingFlags(kv_cache_memory_bytes=kv, gpu_memory_utilization=util), prior_plan(spec_of())
+    )
     budget = [a for a in args if a in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")]
     if kv is not None:
         assert budget == ["--kv-cache-memory-bytes"]
@@ -361,6 +364,7 @@ def test_hash_is_stable_and_ignores_non_template_fields() -> None:
             spec_of(),
             ServingFlags(kv_cache_memory_bytes=KV),
             agent_image="a:2",
+            plan=None,
         ),
     ],
     ids=["kv", "memory-limit", "utilisation", "image", "max-model-len", "agent-image"],
@@ -407,7 +411,7 @@ def test_conflict_messages_name_the_spec_field_or_say_remove() -> None:
 def test_every_flag_rankguard_renders_is_owned() -> None:
     s = spec_of(pipelineParallelSize=2, engine={"maxModelLen": 8192, "enforceEager": True})
     for flags in (ServingFlags(kv_cache_memory_bytes=KV), ServingFlags(gpu_memory_utilization=0.9)):
-        rendered = [a for a in vllm_args(s, flags) if a.startswith("--")]
+        rendered = [a for a in vllm_args(s, flags, prior_plan(s)) if a.startswith("--")]
         assert set(rendered) <= set(OWNED_FLAGS)
 
 

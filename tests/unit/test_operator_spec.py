@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.render import extra_args_conflicts
-from rankguard_operator.spec import (
+from rankguard_operator.core.owned_flags import extra_args_conflicts
+from rankguard_operator.core.spec import (
     BLOCK_SIZES,
     DEFAULT_AGENT_PORT,
     DEFAULT_COOLDOWN_SECONDS,
@@ -25,7 +25,7 @@ from rankguard_operator.spec import (
     parse_spec,
     resolve_shape,
 )
-from rankguard_operator.units import GiB, MiB
+from rankguard_operator.core.units import GiB, MiB
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "llmservice.yaml"
 

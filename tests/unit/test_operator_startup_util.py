@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankguard_operator.budget import VLLM_DEFAULT_UTILIZATION, initial_plan, startup_utilization
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.render import vllm_args
-from rankguard_operator.spec import parse_spec
-from rankguard_operator.units import GiB
+from rankguard_operator.core.budget import (
+    VLLM_DEFAULT_UTILIZATION,
+    initial_plan,
+    prior_plan,
+    startup_utilization,
+)
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.render import vllm_args
+from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.units import GiB
 
 
 def small_cards(**memory: Any) -> Any:
@@ -30,7 +35,7 @@ def test_the_startup_check_asks_only_for_what_vllm_will_use_and_fits_every_rank(
     plan = initial_plan(spec)
     assert plan is not None
     kv = plan.kv_cache_memory_bytes
-    u = startup_utilization(spec, kv)
+    u = startup_utilization(prior_plan(spec), kv)
     assert u is not None and u < VLLM_DEFAULT_UTILIZATION  # the default would refuse to start here
     for r in plan.ranks:
         # What vLLM checks at start-up: free after context + NCCL >= u x total. With the
@@ -46,11 +51,13 @@ def test_the_startup_check_asks_only_for_what_vllm_will_use_and_fits_every_rank(
 
 def test_it_is_rendered_next_to_the_byte_budget_and_only_there() -> None:
     spec = small_cards()
-    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB))
+    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB), prior_plan(spec))
     i = args.index("--kv-cache-memory-bytes")
     assert args[i + 1] == str(8 * GiB)
-    assert float(args[args.index("--gpu-memory-utilization") + 1]) == startup_utilization(spec, 8 * GiB)
-    only_util = vllm_args(spec, ServingFlags(gpu_memory_utilization=0.8))
+    assert float(args[args.index("--gpu-memory-utilization") + 1]) == startup_utilization(
+        prior_plan(spec), 8 * GiB
+    )
+    only_util = vllm_args(spec, ServingFlags(gpu_memory_utilization=0.8), prior_plan(spec))
     assert "--kv-cache-memory-bytes" not in only_util and only_util.count("--gpu-memory-utilization") == 1
 
 
@@ -58,8 +65,10 @@ def test_unknown_gpu_size_leaves_vllms_default() -> None:
     spec = parse_spec(
         {"model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"}, "image": "vllm/vllm-openai:v0.11.0"}
     )
-    assert startup_utilization(spec, 8 * GiB) is None
-    assert "--gpu-memory-utilization" not in vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB))
+    assert startup_utilization(prior_plan(spec), 8 * GiB) is None
+    assert "--gpu-memory-utilization" not in vllm_args(
+        spec, ServingFlags(kv_cache_memory_bytes=8 * GiB), prior_plan(spec)
+    )
 
 
 def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
@@ -70,4 +79,4 @@ def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
             "memory": {"gpuMemoryBytes": 80 * GiB},
         }
     )
-    assert startup_utilization(spec, 70 * GiB) == VLLM_DEFAULT_UTILIZATION
+    assert startup_utilization(prior_plan(spec), 70 * GiB) == VLLM_DEFAULT_UTILIZATION

@@ -6,15 +6,15 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.budget import initial_plan as budget_plan
-from rankguard_operator.flags import ServingFlags
-from rankguard_operator.headroom import Observation, RankHeadroom
-from rankguard_operator.history import Remediation, history_from_status
-from rankguard_operator.observe import RolloutState, Termination
-from rankguard_operator.planner import Plan, RankMeasurement, capacity_for_budget
-from rankguard_operator.policy import Decision, PolicyInput, decide, initial_plan
-from rankguard_operator.spec import parse_spec
-from rankguard_operator.status import (
+from rankguard_operator.core.budget import initial_plan as budget_plan
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import Observation, RankHeadroom
+from rankguard_operator.core.history import Remediation, history_from_status
+from rankguard_operator.core.observe import RolloutState, Termination
+from rankguard_operator.core.planner import Plan, RankMeasurement, capacity_for_budget
+from rankguard_operator.core.policy import Decision, PolicyInput, decide
+from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.status import (
     append_history,
     budget_source,
     budget_status,
@@ -26,7 +26,7 @@ from rankguard_operator.status import (
     status_patch,
     summary_fields,
 )
-from rankguard_operator.units import GiB, MiB
+from rankguard_operator.core.units import GiB, MiB
 
 SPEC = parse_spec(
     {
@@ -44,7 +44,7 @@ def _must(plan: Plan | None) -> Plan:
     return plan
 
 
-PLAN = _must(initial_plan(SPEC))
+PLAN = _must(budget_plan(SPEC))
 KV = PLAN.kv_cache_memory_bytes
 FLAGS = ServingFlags(kv_cache_memory_bytes=KV)
 NOW = 1_800_000_000.0
@@ -290,11 +290,11 @@ def test_remediation_round_trip_with_and_without_the_flag_objects() -> None:
 
 def test_last_known_good_status_reads_back() -> None:
     lkg = ServingFlags(kv_cache_memory_bytes=KV, memory_limit_bytes=64 * GiB)
-    doc = last_known_good_status(lkg, SPEC)
+    doc = last_known_good_status(lkg, SPEC, PLAN)
     assert doc is not None and doc["kvCacheMemoryBytes"] == KV and doc["memoryLimit"] == "64Gi"
     assert "--kv-cache-memory-bytes" in doc["flags"] and str(KV) in doc["flags"]
     assert ServingFlags.from_status(doc) == lkg
-    assert last_known_good_status(None, SPEC) is None
+    assert last_known_good_status(None, SPEC, PLAN) is None
 
 
 # --- status_patch ---------------------------------------------------------------------------------
@@ -345,6 +345,7 @@ def status_after(
         flags=flags,
         last_known_good=FLAGS,
         plan=PLAN,
+        prior=PLAN,
         decision=decision,
         rollout=rollout,
         ready_replicas=ready,

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from rankguard_operator.models import CATALOG, ModelShape, resolve_model
-from rankguard_operator.planner import (
+from rankguard_operator.core.models import CATALOG, ModelShape, resolve_model
+from rankguard_operator.core.planner import (
     CONTEXT_PRIOR_BYTES,
     CUDAGRAPH_PRIOR_BYTES,
     PP_TERMINAL_COMM_PRIOR_BYTES,
@@ -25,7 +25,7 @@ from rankguard_operator.planner import (
     pp_layer_partition,
     weight_bytes,
 )
-from rankguard_operator.units import GiB, MiB
+from rankguard_operator.core.units import GiB, MiB
 
 L3_70B = CATALOG["llama-3-70b"]
 L3_8B = CATALOG["llama-3-8b"]

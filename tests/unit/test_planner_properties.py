@@ -8,8 +8,8 @@ from dataclasses import replace
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rankguard_operator.models import ModelShape
-from rankguard_operator.planner import (
+from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.planner import (
     Plan,
     PlanInput,
     RankMeasurement,
@@ -18,7 +18,7 @@ from rankguard_operator.planner import (
     make_plan,
     weight_bytes,
 )
-from rankguard_operator.units import GiB
+from rankguard_operator.core.units import GiB
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -11,7 +11,26 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_sim import scenario as S
+import rankguard_sim
+from rankguard_sim.engine_config import EngineConfigError, engine_config
+from rankguard_sim.engine_failures import (
+    CUDA_OOM,
+    KV_CACHE_TOO_SMALL,
+    NO_KV_MEMORY,
+    STARTUP_FREE_MEMORY,
+    format_size,
+    torch_allocation_size,
+)
+from rankguard_sim.engine_memory import rank_memory
+from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
+from rankguard_sim.scenario_data import Scenario, ScenarioError, parse_bytes
+from rankguard_sim.scenario_file import (
+    builtin_dir,
+    builtin_names,
+    find_scenario,
+    load_scenario,
+    parse_scenario,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -30,37 +49,37 @@ OOM_RE = re.compile(
 
 
 def raw(name: str) -> dict[str, Any]:
-    doc = yaml.safe_load((S.builtin_dir() / f"{name}.yaml").read_text())
+    doc = yaml.safe_load((builtin_dir() / f"{name}.yaml").read_text())
     assert isinstance(doc, dict)
     return doc
 
 
-def block_bytes(s: S.Scenario, rank: int = 0) -> int:
-    return S.rank_memory(s, S.engine_config(s))[rank].block_bytes
+def block_bytes(s: Scenario, rank: int = 0) -> int:
+    return rank_memory(s, engine_config(s))[rank].block_bytes
 
 
 @pytest.fixture(scope="module")
-def tp4() -> S.Scenario:
-    return S.load_scenario("llama3-70b-tp4")
+def tp4() -> Scenario:
+    return load_scenario("llama3-70b-tp4")
 
 
 @pytest.fixture(scope="module")
-def tp8() -> S.Scenario:
-    return S.load_scenario("llama3-70b-tp8-nvls")
+def tp8() -> Scenario:
+    return load_scenario("llama3-70b-tp8-nvls")
 
 
 @pytest.fixture(scope="module")
-def pp() -> S.Scenario:
-    return S.load_scenario("tp2-pp2")
+def pp() -> Scenario:
+    return load_scenario("tp2-pp2")
 
 
 # -- loading ------------------------------------------------------------------------------------
 
 
 def test_the_required_scenarios_are_built_in_and_load() -> None:
-    assert set(S.builtin_names()) >= REQUIRED
-    for name in S.builtin_names():
-        s = S.load_scenario(name)
+    assert set(builtin_names()) >= REQUIRED
+    for name in builtin_names():
+        s = load_scenario(name)
         assert s.name == name
         assert all(len(c.source) > 10 for c in s.components)
         for part in (s.gpu.source, s.model.source, s.defaults.source, s.logits.source, s.load.source):
@@ -72,19 +91,19 @@ def test_a_path_loads_as_well_as_a_name(tmp_path: Path) -> None:
     doc = raw("tp2-pp2")
     doc["name"] = "mine"
     path.write_text(yaml.safe_dump(doc))
-    assert S.load_scenario(str(path)).name == "mine"
+    assert load_scenario(str(path)).name == "mine"
 
 
 def test_unknown_names_list_the_built_ins() -> None:
-    with pytest.raises(S.ScenarioError, match=r"built-ins: .*llama3-70b-tp4"):
-        S.load_scenario("no-such-scenario")
+    with pytest.raises(ScenarioError, match=r"built-ins: .*llama3-70b-tp4"):
+        load_scenario("no-such-scenario")
 
 
 def test_find_scenario_by_model_and_topology() -> None:
-    assert S.find_scenario("meta-llama/Meta-Llama-3-70B-Instruct", 4, 1).name == "llama3-70b-tp4"
-    assert S.find_scenario("/models/Meta-Llama-3-8B-Instruct", 2, 2).name == "tp2-pp2"
-    with pytest.raises(S.ScenarioError, match="no built-in scenario"):
-        S.find_scenario("meta-llama/Meta-Llama-3-70B-Instruct", 2, 1)
+    assert find_scenario("meta-llama/Meta-Llama-3-70B-Instruct", 4, 1).name == "llama3-70b-tp4"
+    assert find_scenario("/models/Meta-Llama-3-8B-Instruct", 2, 2).name == "tp2-pp2"
+    with pytest.raises(ScenarioError, match="no built-in scenario"):
+        find_scenario("meta-llama/Meta-Llama-3-70B-Instruct", 2, 1)
 
 
 @pytest.mark.parametrize(
@@ -110,32 +129,32 @@ def test_find_scenario_by_model_and_topology() -> None:
 def test_validation_says_where_and_what(mutate: Any, message: str) -> None:
     doc = copy.deepcopy(raw("llama3-70b-tp4"))
     mutate(doc)
-    with pytest.raises(S.ScenarioError, match=message):
-        S.parse_scenario(doc, where="x.yaml")
+    with pytest.raises(ScenarioError, match=message):
+        parse_scenario(doc, where="x.yaml")
 
 
 def test_broken_yaml_is_reported_with_the_file_name(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text("name: [unclosed\n")
-    with pytest.raises(S.ScenarioError, match=r"broken\.yaml: not valid YAML"):
-        S.load_scenario(path)
+    with pytest.raises(ScenarioError, match=r"broken\.yaml: not valid YAML"):
+        load_scenario(path)
 
 
 def test_sizes_parse_with_binary_and_decimal_units() -> None:
-    assert S.parse_bytes("575MiB") == 575 * MIB
-    assert S.parse_bytes("1.5 GiB") == 3 * GIB // 2
-    assert S.parse_bytes("2GB") == 2_000_000_000
-    assert S.parse_bytes(1234) == 1234
+    assert parse_bytes("575MiB") == 575 * MIB
+    assert parse_bytes("1.5 GiB") == 3 * GIB // 2
+    assert parse_bytes("2GB") == 2_000_000_000
+    assert parse_bytes(1234) == 1234
     for bad in (-1, "1 GiBs", True, "x"):
-        with pytest.raises(S.ScenarioError):
-            S.parse_bytes(bad)
+        with pytest.raises(ScenarioError):
+            parse_bytes(bad)
 
 
 # -- the world's per-rank truth ------------------------------------------------------------------
 
 
-def test_tp4_rank0_is_heaviest_by_the_articles_gap(tp4: S.Scenario) -> None:
-    ranks = S.rank_memory(tp4, S.engine_config(tp4))
+def test_tp4_rank0_is_heaviest_by_the_articles_gap(tp4: Scenario) -> None:
+    ranks = rank_memory(tp4, engine_config(tp4))
     steady = [m.init + m.serving for m in ranks]
     assert steady[0] == max(steady) and steady.count(steady[0]) == 1
     gap_bytes = steady[0] - steady[1]
@@ -146,22 +165,22 @@ def test_tp4_rank0_is_heaviest_by_the_articles_gap(tp4: S.Scenario) -> None:
     assert ranks[0].kv_bytes_per_token == 327680 // 4  # the reference's TP1 figure over TP4
 
 
-def test_tp8_has_nvls_buffers_and_every_rank_holds_full_logits(tp8: S.Scenario) -> None:
+def test_tp8_has_nvls_buffers_and_every_rank_holds_full_logits(tp8: Scenario) -> None:
     nvls = [c for c in tp8.components if "nvls" in c.name]
     assert nvls and nvls[0].default_bytes == 288 * MIB and nvls[0].phase == "init"
-    ranks = S.rank_memory(tp8, S.engine_config(tp8))
+    ranks = rank_memory(tp8, engine_config(tp8))
     assert {m.logits_per_seq for m in ranks} == {128256 * 4}
     assert ranks[0].kv_bytes_per_token == 40960
     assert all(tp8.comm_init_bytes(r) > 288 * MIB for r in range(8))
 
 
-def test_pp_terminal_ranks_hold_logits_and_the_heavy_communicators(pp: S.Scenario) -> None:
-    ranks = S.rank_memory(pp, S.engine_config(pp))
+def test_pp_terminal_ranks_hold_logits_and_the_heavy_communicators(pp: Scenario) -> None:
+    ranks = rank_memory(pp, engine_config(pp))
     assert [m.logits_per_seq > 0 for m in ranks] == [False, False, True, True]
     nccl = [m.init - pp.phase_bytes(m.rank, "init") + m.serving for m in ranks]  # serving-time comm
     assert nccl[2] > nccl[0]
     total_terminal = (
-        ranks[2].serving + pp.phase_bytes(2, "init") - S.parse_bytes("575MiB") - S.parse_bytes("24MiB")
+        ranks[2].serving + pp.phase_bytes(2, "init") - parse_bytes("575MiB") - parse_bytes("24MiB")
     )
     assert total_terminal == pytest.approx(8.76 * GIB, rel=0.001)  # PR #45517's figure
     assert ranks[0].kv_bytes_per_token == 16 * 2 * 4 * 128 * 2  # 16 of 32 layers, 4 of 8 KV heads
@@ -173,20 +192,20 @@ def test_uneven_layers_go_to_the_stages_before_the_last() -> None:
     doc["topology"]["pipeline_parallel_size"] = 3
     doc["topology"]["tensor_parallel_size"] = 1
     doc["memory"] = [m for m in doc["memory"] if "ranks" not in m]
-    s = S.parse_scenario(doc)
+    s = parse_scenario(doc)
     assert [s.layers_on_stage(i) for i in range(3)] == [11, 11, 11]
     doc["model"]["num_layers"] = 35
-    s = S.parse_scenario(doc)
+    s = parse_scenario(doc)
     assert [s.layers_on_stage(i) for i in range(3)] == [12, 12, 11]
 
 
-def test_flags_change_the_world_as_vllm_would(tp4: S.Scenario) -> None:
-    base = S.rank_memory(tp4, S.engine_config(tp4))[0]
-    eager = S.rank_memory(tp4, S.engine_config(tp4, enforce_eager=True))[0]
-    fp8 = S.rank_memory(tp4, S.engine_config(tp4, kv_cache_dtype="fp8"))[0]
-    fp32 = S.rank_memory(tp4, S.engine_config(tp4, dtype="float32"))[0]
-    no_car = S.rank_memory(tp4, S.engine_config(tp4, disable_custom_all_reduce=True))[0]
-    tokens = S.rank_memory(tp4, S.engine_config(tp4, max_num_batched_tokens=4096))[0]
+def test_flags_change_the_world_as_vllm_would(tp4: Scenario) -> None:
+    base = rank_memory(tp4, engine_config(tp4))[0]
+    eager = rank_memory(tp4, engine_config(tp4, enforce_eager=True))[0]
+    fp8 = rank_memory(tp4, engine_config(tp4, kv_cache_dtype="fp8"))[0]
+    fp32 = rank_memory(tp4, engine_config(tp4, dtype="float32"))[0]
+    no_car = rank_memory(tp4, engine_config(tp4, disable_custom_all_reduce=True))[0]
+    tokens = rank_memory(tp4, engine_config(tp4, max_num_batched_tokens=4096))[0]
     assert (base.cuda_graph > 0, eager.cuda_graph) == (True, 0)
     assert fp8.kv_bytes_per_token * 2 == base.kv_bytes_per_token
     assert fp32.weights == 2 * base.weights
@@ -194,28 +213,28 @@ def test_flags_change_the_world_as_vllm_would(tp4: S.Scenario) -> None:
     assert tokens.profile_peak == 2 * base.profile_peak
 
 
-def test_engine_config_refuses_what_vllm_refuses(tp4: S.Scenario) -> None:
-    with pytest.raises(S.EngineConfigError, match=r"TP4×PP1.*TP2×PP1"):
-        S.engine_config(tp4, tensor_parallel_size=2)
-    with pytest.raises(S.EngineConfigError, match=r"max_model_len \(16384\) is greater than the derived"):
-        S.engine_config(tp4, max_model_len=16384)
-    assert S.engine_config(tp4, max_model_len=16384, allow_long_max_model_len=True).max_model_len == 16384
+def test_engine_config_refuses_what_vllm_refuses(tp4: Scenario) -> None:
+    with pytest.raises(EngineConfigError, match=r"TP4×PP1.*TP2×PP1"):
+        engine_config(tp4, tensor_parallel_size=2)
+    with pytest.raises(EngineConfigError, match=r"max_model_len \(16384\) is greater than the derived"):
+        engine_config(tp4, max_model_len=16384)
+    assert engine_config(tp4, max_model_len=16384, allow_long_max_model_len=True).max_model_len == 16384
     for kwargs in (
         {"gpu_memory_utilization": 1.2},
         {"gpu_memory_utilization": 0.0},
         {"dtype": "int3"},
         {"block_size": 12},
     ):
-        with pytest.raises(S.EngineConfigError):
-            S.engine_config(tp4, **kwargs)
+        with pytest.raises(EngineConfigError):
+            engine_config(tp4, **kwargs)
 
 
 # -- vLLM's replay: outcome() -------------------------------------------------------------------
 
 
-def test_tp4_default_utilisation_crashes_rank0_under_load_and_one_drop_is_stable(tp4: S.Scenario) -> None:
-    crash = S.outcome(tp4)
-    assert crash.crashes and crash.rank == 0 and crash.reason == S.CUDA_OOM
+def test_tp4_default_utilisation_crashes_rank0_under_load_and_one_drop_is_stable(tp4: Scenario) -> None:
+    crash = outcome(tp4)
+    assert crash.crashes and crash.rank == 0 and crash.reason == CUDA_OOM
     assert crash.phase == "execute-model" and crash.running_seqs is not None
     assert 0 < crash.running_seqs <= tp4.defaults.max_num_seqs  # under load, not at start-up
     assert crash.message is not None and OOM_RE.match(crash.message)
@@ -224,28 +243,28 @@ def test_tp4_default_utilisation_crashes_rank0_under_load_and_one_drop_is_stable
         f"CUDA out of memory. Tried to allocate {crash.requested_bytes / MIB:.2f} MiB. GPU 0 "
     )
     assert crash.free_bytes < crash.requested_bytes
-    stable = S.outcome(tp4, gpu_memory_utilization=0.87)
+    stable = outcome(tp4, gpu_memory_utilization=0.87)
     assert not stable.crashes and stable.peak_running_seqs == 256
     assert stable.kv_bytes_per_rank < crash.kv_bytes_per_rank
 
 
-def test_pp_crashes_on_a_pipeline_terminal_rank_never_rank0(pp: S.Scenario) -> None:
+def test_pp_crashes_on_a_pipeline_terminal_rank_never_rank0(pp: Scenario) -> None:
     for util in (0.92, 0.85, 0.75):
-        result = S.outcome(pp, gpu_memory_utilization=util)
+        result = outcome(pp, gpu_memory_utilization=util)
         assert result.crashes and result.rank in (2, 3), util
-    safe = S.true_max_safe_kv(pp)
+    safe = true_max_safe_kv(pp)
     assert safe.bottleneck_rank in (2, 3)
     assert safe.headroom_per_rank[0] > safe.headroom_per_rank[2] + 5 * GIB
 
 
-def test_tp8_default_crashes_rank0(tp8: S.Scenario) -> None:
-    result = S.outcome(tp8)
-    assert (result.crashes, result.rank, result.reason) == (True, 0, S.CUDA_OOM)
+def test_tp8_default_crashes_rank0(tp8: Scenario) -> None:
+    result = outcome(tp8)
+    assert (result.crashes, result.rank, result.reason) == (True, 0, CUDA_OOM)
 
 
 def test_host_oomkilled_is_comfortable_on_the_gpu_but_not_in_host_memory() -> None:
-    s = S.load_scenario("host-oomkilled")
-    assert not S.outcome(s).crashes
+    s = load_scenario("host-oomkilled")
+    assert not outcome(s).crashes
     assert s.host_memory is not None
     assert s.host_memory.baseline_bytes < 16 * GIB < s.host_memory.after_load_bytes < 24 * GIB
 
@@ -253,28 +272,26 @@ def test_host_oomkilled_is_comfortable_on_the_gpu_but_not_in_host_memory() -> No
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_the_true_maximum_is_exactly_the_edge(name: str) -> None:
     """A pinned budget of the true maximum never crashes; one block more crashes its bottleneck."""
-    s = S.load_scenario(name)
-    safe = S.true_max_safe_kv(s)
+    s = load_scenario(name)
+    safe = true_max_safe_kv(s)
     bb = block_bytes(s, safe.bottleneck_rank)
-    at_edge = S.outcome(s, kv_cache_memory_bytes=safe.num_gpu_blocks * bb)
+    at_edge = outcome(s, kv_cache_memory_bytes=safe.num_gpu_blocks * bb)
     assert not at_edge.crashes
     assert at_edge.num_gpu_blocks == safe.num_gpu_blocks
-    over = S.outcome(s, kv_cache_memory_bytes=(safe.num_gpu_blocks + 1) * bb)
-    assert over.crashes and over.rank == safe.bottleneck_rank and over.reason == S.CUDA_OOM
+    over = outcome(s, kv_cache_memory_bytes=(safe.num_gpu_blocks + 1) * bb)
+    assert over.crashes and over.rank == safe.bottleneck_rank and over.reason == CUDA_OOM
 
 
-def test_kv_bytes_kept_by_utilisation_are_measured_against_the_true_maximum(tp4: S.Scenario) -> None:
-    safe = S.true_max_safe_kv(tp4)
-    kept = [
-        S.outcome(tp4, gpu_memory_utilization=u).num_gpu_blocks / safe.num_gpu_blocks for u in (0.87, 0.82)
-    ]
+def test_kv_bytes_kept_by_utilisation_are_measured_against_the_true_maximum(tp4: Scenario) -> None:
+    safe = true_max_safe_kv(tp4)
+    kept = [outcome(tp4, gpu_memory_utilization=u).num_gpu_blocks / safe.num_gpu_blocks for u in (0.87, 0.82)]
     assert 0.85 < kept[0] < 0.95 and kept[1] < kept[0]  # each 0.05 drop throws away ~4 GiB per GPU
 
 
-def test_startup_check_fails_on_the_rank_with_too_little_free_memory(tp4: S.Scenario) -> None:
+def test_startup_check_fails_on_the_rank_with_too_little_free_memory(tp4: Scenario) -> None:
     others = [0, 0, 20 * GIB, 0]  # another process holds 20 GiB on GPU 2
-    result = S.outcome(tp4, other_used_bytes=others)
-    assert (result.crashes, result.rank, result.reason) == (True, 2, S.STARTUP_FREE_MEMORY)
+    result = outcome(tp4, other_used_bytes=others)
+    assert (result.crashes, result.rank, result.reason) == (True, 2, STARTUP_FREE_MEMORY)
     assert result.message is not None
     assert re.match(
         r"Free memory on device cuda:2 \(\d+\.\d\d/79\.14 GiB\) on startup is less than desired GPU memory "
@@ -282,55 +299,55 @@ def test_startup_check_fails_on_the_rank_with_too_little_free_memory(tp4: S.Scen
         result.message,
     )
     # The same check applies with a pinned budget: vLLM's init_device always runs it.
-    pinned = S.outcome(tp4, kv_cache_memory_bytes=GIB, other_used_bytes=others)
-    assert pinned.reason == S.STARTUP_FREE_MEMORY
+    pinned = outcome(tp4, kv_cache_memory_bytes=GIB, other_used_bytes=others)
+    assert pinned.reason == STARTUP_FREE_MEMORY
     # With a utilisation the free memory allows, a budget that fits next to the stranger runs...
-    assert not S.outcome(
+    assert not outcome(
         tp4, kv_cache_memory_bytes=20 * GIB, gpu_memory_utilization=0.5, other_used_bytes=others
     ).crashes
     # ...and one that does not fit runs GPU 2 out of memory when the KV cache is allocated.
-    big = S.outcome(tp4, kv_cache_memory_bytes=30 * GIB, gpu_memory_utilization=0.5, other_used_bytes=others)
+    big = outcome(tp4, kv_cache_memory_bytes=30 * GIB, gpu_memory_utilization=0.5, other_used_bytes=others)
     assert (big.rank, big.phase) == (2, "initialize-kv-cache")
     assert big.message is not None and "Process 0 has 20.00 GiB memory in use." in big.message
 
 
-def test_a_budget_below_one_request_is_refused_with_vllms_estimate(tp4: S.Scenario) -> None:
-    result = S.outcome(tp4, kv_cache_memory_bytes=300 * MIB)
-    assert result.reason == S.KV_CACHE_TOO_SMALL and result.rank == 0
+def test_a_budget_below_one_request_is_refused_with_vllms_estimate(tp4: Scenario) -> None:
+    result = outcome(tp4, kv_cache_memory_bytes=300 * MIB)
+    assert result.reason == KV_CACHE_TOO_SMALL and result.rank == 0
     # 300 MiB / (16 tokens × 81,920 B) = 240 blocks → 3,840 tokens
     assert result.message is not None and "the estimated maximum model length is 3840." in result.message
     assert "max seq len (8192), (0.62 GiB KV cache is needed" in result.message
-    no_room = S.outcome(tp4, gpu_memory_utilization=0.3)
-    assert no_room.reason == S.NO_KV_MEMORY
+    no_room = outcome(tp4, gpu_memory_utilization=0.3)
+    assert no_room.reason == NO_KV_MEMORY
 
 
-def test_an_oversized_pinned_budget_fails_when_the_kv_cache_is_allocated(tp4: S.Scenario) -> None:
-    result = S.outcome(tp4, kv_cache_memory_bytes=60 * GIB)
+def test_an_oversized_pinned_budget_fails_when_the_kv_cache_is_allocated(tp4: Scenario) -> None:
+    result = outcome(tp4, kv_cache_memory_bytes=60 * GIB)
     assert result.crashes and result.phase == "initialize-kv-cache" and result.rank == 0
     assert result.running_seqs is None
 
 
 def test_max_num_seqs_bounds_the_peak_and_the_warm_up() -> None:
-    s = S.load_scenario("host-oomkilled")
-    small = S.true_max_safe_kv(s, max_num_seqs=64)
-    large = S.true_max_safe_kv(s)
+    s = load_scenario("host-oomkilled")
+    small = true_max_safe_kv(s, max_num_seqs=64)
+    large = true_max_safe_kv(s)
     assert small.peak_running_seqs == 64 and small.kv_bytes > large.kv_bytes
 
 
 def test_torch_size_formatting_matches_c10() -> None:
-    assert S.format_size(1024) == "1024 bytes"
-    assert S.format_size(1025) == "1.00 KiB"
-    assert S.format_size(MIB) == "1024.00 KiB"
-    assert S.format_size(GIB) == "1024.00 MiB"
-    assert S.format_size(3 * GIB // 2) == "1.50 GiB"
-    assert S.torch_allocation_size(100) == 2 * MIB
-    assert S.torch_allocation_size(5 * MIB) == 20 * MIB
-    assert S.torch_allocation_size(98_500_608) == 94 * MIB  # 192 × 513,024 rounded up to 2 MiB
+    assert format_size(1024) == "1024 bytes"
+    assert format_size(1025) == "1.00 KiB"
+    assert format_size(MIB) == "1024.00 KiB"
+    assert format_size(GIB) == "1024.00 MiB"
+    assert format_size(3 * GIB // 2) == "1.50 GiB"
+    assert torch_allocation_size(100) == 2 * MIB
+    assert torch_allocation_size(5 * MIB) == 20 * MIB
+    assert torch_allocation_size(98_500_608) == 94 * MIB  # 192 × 513,024 rounded up to 2 MiB
 
 
 def test_the_world_never_imports_the_model() -> None:
     """§3 of the design: the sandbox world must not share code with what it tests."""
-    sim = Path(S.__file__).parent
+    sim = Path(rankguard_sim.__file__).parent
     for path in [*sim.rglob("*.py"), sim / "bin" / "vllm"]:
         # Running the operator as its own process (world.py, demo.py) is how a cluster runs it;
         # importing its code would let the world learn the model's answers.
@@ -342,7 +359,19 @@ def test_the_world_never_imports_the_model() -> None:
             else:
                 continue
             assert not any(n.split(".")[0] == "rankguard_operator" for n in names), (path, names)
-    # The GPU world and the fake vLLM learn nothing from the agent either: it reads their files.
-    for name in ("gpus.py", "scenario.py", "fake_vllm.py", "bin/vllm"):
-        text = (sim / name).read_text()
-        assert "import rankguard_agent" not in text and "from rankguard_agent" not in text, name
+    # The GPU world and the fake vLLM learn nothing from the agent either: the agent reads their
+    # files. The one thing they share is the codec of that on-disk contract (docs/sim-world.md),
+    # `rankguard_agent.gpu.simfiles`, which exists once so the two sides cannot drift apart.
+    # By pattern, so that a module split off later is checked without anyone remembering to add it.
+    modules = [p for pattern in ("scenario*.py", "engine_*.py", "vllm_*.py") for p in sim.glob(pattern)]
+    assert {p.name for p in modules} >= {"scenario_file.py", "engine_memory.py", "vllm_args.py"}
+    for path in [sim / "gpus.py", sim / "fake_vllm.py", sim / "bin" / "vllm", *modules]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            agent = [n for n in names if n.split(".")[0] == "rankguard_agent"]
+            assert all(n.startswith("rankguard_agent.gpu.simfiles") for n in agent), (path, agent)

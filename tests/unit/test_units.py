@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.units import GiB, KiB, MiB, QuantityError, format_bytes, format_quantity, parse_bytes
+from rankguard_operator.core.units import (
+    GiB,
+    KiB,
+    MiB,
+    QuantityError,
+    format_bytes,
+    format_quantity,
+    parse_bytes,
+)
 
 
 @pytest.mark.parametrize(

@@ -4,17 +4,23 @@ A backend maps the pod's ranks (rank i = the i-th GPU the engine sees) to device
 answers one reading per rank. A failing GPU answers a reading with `error` set; it never
 raises, so one lost GPU cannot stop the sampler from reporting the others.
 
+The probe's communicator init is where real and simulated GPUs differ, so the backend
+answers it too (`communicator_init`): nothing above this boundary knows the sandbox.
+
 `open_backend` imports the chosen implementation lazily: the sim backend never loads
 pynvml, and a host without libnvidia-ml gets `GpuUnavailable` with a clear message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-SIM_ROOT_ENV = "RANKGUARD_SIM_GPU_ROOT"
+# Where the simulated GPUs live is part of their on-disk contract; re-exported for callers.
+from rankguard_agent.gpu.simfiles import SIM_ROOT_ENV as SIM_ROOT_ENV
+
 BACKENDS = ("auto", "nvml", "sim")
 
 
@@ -55,6 +61,9 @@ class ProcessMemory:
 
 class GpuBackend(Protocol):
     name: str
+    # True where memory is simulated: communicator_init itself takes the memory, so even a
+    # CPU (gloo) probe, whose init touches no GPU, measures the communicator's cost.
+    simulated: bool
 
     def ranks(self) -> list[RankDevice]:
         """The pod's ranks in order: rank i is the i-th device CUDA shows the engine."""
@@ -64,6 +73,14 @@ class GpuBackend(Protocol):
 
     def processes(self, rank: int) -> list[ProcessMemory]:
         """Processes holding memory on the rank's GPU (empty where unknown)."""
+
+    def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
+        """Held around a probe rank's communicator init and warm-up, on the rank's GPU.
+
+        Real GPUs: nothing (NCCL allocates by itself). Simulated: holds the device's
+        communicator cost until the block ends, and raises a CUDA-style out-of-memory
+        RuntimeError at entry when that cost does not fit.
+        """
 
     def close(self) -> None:
         """Release the backend (NVML shutdown)."""
@@ -77,6 +94,7 @@ class NoGpuBackend:
     """Stands in when the real backend cannot start: the agent keeps serving, with no ranks."""
 
     name = "none"
+    simulated = False
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -89,6 +107,9 @@ class NoGpuBackend:
 
     def processes(self, rank: int) -> list[ProcessMemory]:
         return []
+
+    def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         return None
@@ -116,3 +137,16 @@ def open_backend(kind: str, env: Mapping[str, str]) -> GpuBackend:
     from rankguard_agent.gpu.nvml import NvmlBackend  # noqa: PLC0415 - keeps pynvml off sim hosts
 
     return NvmlBackend(env=env)
+
+
+def release_communicators(env: Mapping[str, str], pids: Iterable[int]) -> None:
+    """Tidy up after probe ranks that were killed inside `communicator_init`.
+
+    A real GPU frees a dead process's memory by itself; the simulated world keeps its file
+    (which counts for nothing once the pid is dead), so remove it.
+    """
+    root = env.get(SIM_ROOT_ENV)
+    if root:
+        from rankguard_agent.gpu.sim import release_communicators as release_sim  # noqa: PLC0415
+
+        release_sim(root, pids)

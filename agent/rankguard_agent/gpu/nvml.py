@@ -9,6 +9,7 @@ Errors are per GPU: NotSupported, GpuIsLost and friends become that rank's `erro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ def _import_pynvml() -> Any:
 
 class NvmlBackend:
     name = "nvml"
+    simulated = False
 
     def __init__(self, nvml: Any | None = None, env: Mapping[str, str] | None = None) -> None:
         self._nvml = nvml if nvml is not None else _import_pynvml()
@@ -208,6 +210,9 @@ class NvmlBackend:
             used = getattr(p, "usedGpuMemory", None)
             out.append(ProcessMemory(pid=int(p.pid), used_bytes=None if used is None else int(used)))
         return out
+
+    def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # NCCL allocates on the real GPU by itself
 
     def close(self) -> None:
         try:

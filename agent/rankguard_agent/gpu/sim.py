@@ -4,6 +4,8 @@
     $RANKGUARD_SIM_GPU_ROOT/<uuid>/procs/<pid>-<tag>.json
 
 used = reserved_bytes + bytes of the live processes' files; free = max(0, total - used).
+The files themselves are read and written by `simfiles` (re-exported here for tests and
+benchmarks that build worlds).
 
 The sampler reads every rank ten times a second for as long as the pod lives, so a read
 costs two stat() calls and one kill(pid, 0) per process in the common case: device.json is
@@ -14,156 +16,48 @@ when its mtime moves (writers replace files atomically, which always touches the
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
 from rankguard_agent.gpu import GpuReading, GpuUnavailable, ProcessMemory, RankDevice, failed_reading
-from rankguard_agent.gpu.visible import apply_cuda_visible, split_list
+from rankguard_agent.gpu.simfiles import (
+    SimDevice,
+    SimProc,
+    parse_device,
+    pid_alive,
+    proc_path,
+    read_device,
+    remove_proc,
+    scan_procs,
+    used_and_free,
+    visible_uuids,
+    write_device,
+    write_proc,
+)
+from rankguard_agent.gpu.visible import apply_cuda_visible
 
+__all__ = [
+    "COMM_TAG",
+    "SimBackend",
+    "SimDevice",
+    "SimProc",
+    "parse_device",
+    "pid_alive",
+    "proc_path",
+    "read_device",
+    "release_communicators",
+    "remove_proc",
+    "scan_procs",
+    "sim_uuids",
+    "write_device",
+    "write_proc",
+]
+
+# The allocation tag of a communicator held by `communicator_init` (the probe's ranks).
+COMM_TAG = "probe"
 # A timestamp this close to now may hide a second change in the same clock tick.
 _SETTLE_NS = 50_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class SimDevice:
-    uuid: str
-    index: int
-    name: str
-    total_bytes: int
-    reserved_bytes: int
-    comm_init_bytes: int
-    lost: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SimProc:
-    pid: int
-    tag: str
-    bytes: int
-
-
-def _int(doc: dict[str, Any], key: str) -> int:
-    v = doc.get(key, 0)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{key}: expected a non-negative integer, got {v!r:.40}")
-    return v
-
-
-def parse_device(raw: bytes, uuid: str) -> SimDevice:
-    doc = json.loads(raw)
-    if not isinstance(doc, dict):
-        raise ValueError("device.json is not an object")
-    return SimDevice(
-        uuid=str(doc.get("uuid", uuid)),
-        index=_int(doc, "index"),
-        name=str(doc.get("name", "")),
-        total_bytes=_int(doc, "total_bytes"),
-        reserved_bytes=_int(doc, "reserved_bytes"),
-        comm_init_bytes=_int(doc, "comm_init_bytes"),
-        lost=bool(doc.get("lost", False)),
-    )
-
-
-def read_device(root: str | os.PathLike[str], uuid: str) -> SimDevice:
-    """One device's state, read fresh (the probe's and the tests' entry point)."""
-    return parse_device((Path(root) / uuid / "device.json").read_bytes(), uuid)
-
-
-def write_device(
-    root: str | os.PathLike[str],
-    uuid: str,
-    *,
-    index: int,
-    total_bytes: int,
-    reserved_bytes: int = 0,
-    comm_init_bytes: int = 0,
-    lost: bool = False,
-    name: str = "NVIDIA H100 80GB HBM3 (simulated)",
-) -> Path:
-    """Write a device.json the way the sandbox world does (tests and benchmarks build worlds)."""
-    folder = Path(root) / uuid
-    (folder / "procs").mkdir(parents=True, exist_ok=True)
-    doc = {
-        "uuid": uuid,
-        "index": index,
-        "name": name,
-        "total_bytes": total_bytes,
-        "reserved_bytes": reserved_bytes,
-        "comm_init_bytes": comm_init_bytes,
-        "lost": lost,
-    }
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, folder / "device.json")
-    return folder / "device.json"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    except OSError:
-        return False
-    return True
-
-
-def proc_path(root: str | os.PathLike[str], uuid: str, pid: int, tag: str) -> Path:
-    return Path(root) / uuid / "procs" / f"{pid}-{tag}.json"
-
-
-def write_proc(
-    root: str | os.PathLike[str], uuid: str, tag: str, nbytes: int, pid: int | None = None
-) -> Path:
-    """Hold `nbytes` on a simulated GPU for this process (atomically, as the layout asks)."""
-    pid = os.getpid() if pid is None else pid
-    path = proc_path(root, uuid, pid, tag)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": pid, "tag": tag, "bytes": int(nbytes)}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def remove_proc(root: str | os.PathLike[str], uuid: str, tag: str, pid: int | None = None) -> None:
-    pid = os.getpid() if pid is None else pid
-    with contextlib.suppress(FileNotFoundError):
-        proc_path(root, uuid, pid, tag).unlink()
-
-
-def scan_procs(procs_dir: str) -> list[SimProc]:
-    out = []
-    try:
-        names = os.listdir(procs_dir)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        if name.startswith(".") or not name.endswith(".json"):
-            continue  # a writer's temp file
-        try:
-            with open(os.path.join(procs_dir, name), "rb") as f:
-                doc = json.loads(f.read())
-            pid, nbytes = doc["pid"], doc["bytes"]
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in (pid, nbytes)):
-                out.append(SimProc(pid=pid, tag=str(doc.get("tag", "")), bytes=max(0, nbytes)))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # vanished or half-written: the next read sees the settled state
-    return out
 
 
 class _RankFiles:
@@ -201,9 +95,9 @@ class _RankFiles:
 
 def sim_uuids(root: str, env: Mapping[str, str]) -> list[str]:
     """The pod's GPUs: NVIDIA_VISIBLE_DEVICES in its order (the sim contract), else all by index."""
-    listed = env.get("NVIDIA_VISIBLE_DEVICES")
-    if listed is not None and listed.strip().lower() not in ("", "all", "void", "none"):
-        return [u for u in split_list(listed) if u]
+    listed = visible_uuids(env)
+    if listed is not None:
+        return listed
     found = []
     for entry in sorted(os.listdir(root)):
         try:
@@ -213,8 +107,23 @@ def sim_uuids(root: str, env: Mapping[str, str]) -> list[str]:
     return [d.uuid for d in sorted(found, key=lambda d: d.index)]
 
 
+def release_communicators(root: str, pids: Iterable[int]) -> None:
+    """Remove what `communicator_init` of these (killed) processes still holds on any GPU.
+
+    A dead pid's file already counts for nothing; this only tidies the world up.
+    """
+    if not os.path.isdir(root):
+        return
+    pids = list(pids)
+    for uuid in os.listdir(root):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.unlink(proc_path(root, uuid, pid, COMM_TAG))
+
+
 class SimBackend:
     name = "sim"
+    simulated = True
 
     def __init__(self, root: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> None:
         self.root = os.fspath(root)
@@ -253,13 +162,32 @@ class SimBackend:
             return failed_reading(rank, uuid, f"InvalidState: {e}"[:200])
         if dev.lost:
             return failed_reading(rank, uuid, "GpuIsLost")
-        used = dev.reserved_bytes + sum(p.bytes for p in procs if pid_alive(p.pid))
-        free = max(0, dev.total_bytes - used)
-        return GpuReading(rank, uuid, dev.total_bytes, min(used, dev.total_bytes), free, dev.reserved_bytes)
+        used, free = used_and_free(dev, procs)
+        return GpuReading(rank, uuid, dev.total_bytes, used, free, dev.reserved_bytes)
 
     def processes(self, rank: int) -> list[ProcessMemory]:
         procs_dir = os.path.join(self.root, self._devices[rank].uuid, "procs")
         return [ProcessMemory(p.pid, p.bytes) for p in scan_procs(procs_dir) if pid_alive(p.pid)]
+
+    @contextlib.contextmanager
+    def communicator_init(self, rank: int) -> Iterator[None]:
+        """Pay the device's `comm_init_bytes` (the world's cost of a CUDA context + NCCL
+        communicator) with an allocation file for as long as the block runs, as NCCL would
+        hold device memory; when it does not fit, fail the way CUDA does."""
+        dev = self.device(rank)
+        reading = self.read(rank)
+        if reading.error is not None:
+            raise RuntimeError(f"reading rank {rank}'s GPU failed: {reading.error}")
+        if dev.comm_init_bytes > reading.free_bytes:
+            raise RuntimeError(
+                f"CUDA out of memory during communicator init on rank {rank}: needs "
+                f"{dev.comm_init_bytes} bytes, {reading.free_bytes} free"
+            )
+        write_proc(self.root, dev.uuid, COMM_TAG, dev.comm_init_bytes)
+        try:
+            yield
+        finally:
+            remove_proc(self.root, dev.uuid, COMM_TAG)
 
     def close(self) -> None:
         return None

@@ -1,0 +1,239 @@
+"""Budget bounds for one LLMService: its plan, floor, ceiling, block unit and budget key.
+
+The bridge between the spec and the planner: `initial_plan` turns a `ServiceSpec` (plus
+probe figures or measured GPU totals, when there are any) into a `Plan`; `kv_floor` and
+`kv_ceiling` are the guard rails every budget the policy chooses is clamped to; `budget_key`
+fingerprints the spec fields a budget was computed for, so a spec change re-plans instead of
+keeping a budget sized for something else.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rankguard_operator.core.headroom import Observation, gpu_totals
+from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.planner import Plan, PlanError, PlanInput, RankMeasurement, make_plan
+from rankguard_operator.core.spec import ServiceSpec, SpecError, resolve_shape
+from rankguard_operator.core.units import MiB
+
+# With no plan to say how big a KV block is, budgets are rounded to whole MiB.
+FALLBACK_UNIT_BYTES = MiB
+
+
+def _usable(measured: Sequence[RankMeasurement], world: int) -> tuple[RankMeasurement, ...]:
+    """Measurements the planner can take: ranks of this world size (during a TP change the old
+    pods report other ranks), at most one per rank, figures within the device's total."""
+    out: dict[int, RankMeasurement] = {}
+    for m in measured:
+        if not 0 <= m.rank < world or m.rank in out:
+            continue
+        total = m.total_bytes
+        if total is not None and total <= 0:
+            continue
+        if total is not None and m.free_after_init_bytes is not None and m.free_after_init_bytes > total:
+            continue
+        out[m.rank] = m
+    return tuple(out[r] for r in sorted(out))
+
+
+def gpu_memory_bytes(spec: ServiceSpec, measured: Sequence[RankMeasurement] = ()) -> int | None:
+    """One GPU's total memory: the smallest measured total (the truth), else spec.memory.gpuMemoryBytes."""
+    totals = [m.total_bytes for m in measured if m.total_bytes is not None and m.total_bytes > 0]
+    if totals:
+        return min(totals)
+    return spec.memory.gpu_memory_bytes
+
+
+def plan_input(
+    spec: ServiceSpec, shape: ModelShape, gpu_bytes: int, measured: Sequence[RankMeasurement] = ()
+) -> PlanInput:
+    e = spec.engine
+    usable = _usable(measured, spec.world_size)
+    # a measurement without its own total is checked against the spec's GPU size
+    usable = tuple(
+        m
+        for m in usable
+        if m.total_bytes is not None
+        or m.free_after_init_bytes is None
+        or m.free_after_init_bytes <= gpu_bytes
+    )
+    return PlanInput(
+        shape=shape,
+        gpu_memory_bytes=gpu_bytes,
+        tp=spec.tp,
+        pp=spec.pp,
+        dtype=e.dtype,
+        kv_cache_dtype=e.kv_cache_dtype,
+        block_size=e.block_size,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len,
+        logits_mode="gather" if e.logits_mode == "gather" else "all-gather",
+        safety_margin_bytes=spec.memory.safety_margin_bytes,
+        enforce_eager=e.enforce_eager,
+        measured=usable,
+    )
+
+
+def initial_plan(
+    spec: ServiceSpec,
+    *,
+    measured: Sequence[RankMeasurement] = (),
+    shape: ModelShape | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+) -> Plan | None:
+    """The planner's budget for this spec: from priors, with probe figures / measured totals
+    replacing them rank by rank when given. None while one GPU's size is unknown (no
+    spec.memory.gpuMemoryBytes and nothing measured yet). Raises SpecError when the spec
+    cannot be planned (unknown model, TP that does not divide the heads, ...)."""
+    if shape is None:
+        shape = resolve_shape(spec, hf_config)
+    gpu = gpu_memory_bytes(spec, _usable(measured, spec.world_size))
+    if gpu is None:
+        return None
+    try:
+        return make_plan(plan_input(spec, shape, gpu, measured))
+    except PlanError as exc:
+        raise SpecError(f"spec cannot be planned: {exc}") from None
+
+
+def is_measured(plan: Plan | None) -> bool:
+    """The plan used a probe figure for at least one rank (not only priors)."""
+    return plan is not None and any(r.context_source == "measured" for r in plan.ranks)
+
+
+def block_unit(plan: Plan | None) -> int:
+    """Bytes of one KV block on the rank whose blocks are largest: budgets are whole blocks."""
+    if plan is None:
+        return FALLBACK_UNIT_BYTES
+    return plan.inputs.block_size * plan.kv_bytes_per_token
+
+
+def round_down(n: int, unit: int) -> int:
+    return max(0, n // unit * unit)
+
+
+def kv_floor(spec: ServiceSpec, plan: Plan | None) -> int:
+    """The smallest budget rankguard will run: one request at max_model_len (the planner's
+    minimum, when there is a plan) and spec.remediation.minKVCacheBytes, whichever is larger."""
+    floor = 1
+    if plan is not None:
+        floor = max(floor, plan.min_kv_cache_memory_bytes)
+    if spec.remediation.min_kv_cache_bytes is not None:
+        floor = max(floor, spec.remediation.min_kv_cache_bytes)
+    return floor
+
+
+def kv_ceiling(spec: ServiceSpec, plan: Plan | None) -> int | None:
+    """The largest budget growing may reach: spec.remediation.maxKVCacheBytes and the plan's
+    maximum (the bottleneck rank's safe KV: its memory minus the planned non-KV, before the
+    safety margin), whichever is smaller. None when neither exists: then rankguard never grows."""
+    bounds: list[int] = []
+    if spec.remediation.max_kv_cache_bytes is not None:
+        bounds.append(spec.remediation.max_kv_cache_bytes)
+    if plan is not None:
+        safe = min(r.safe_kv_bytes for r in plan.ranks)
+        bounds.append(round_down(safe, block_unit(plan)))
+    return min(bounds) if bounds else None
+
+
+def equivalent_utilization(plan: Plan, kv_bytes: int) -> float:
+    """The --gpu-memory-utilization that would give `kv_bytes` on every rank of `plan`
+    (vLLM: KV = util × total − what it measures), capped at 1. For display only."""
+    need = max((kv_bytes + r.runtime_non_kv_bytes) / r.total_bytes for r in plan.ranks)
+    return max(0.0, min(1.0, int(need * 10000) / 10000))
+
+
+def utilization_kv_bytes(plan: Plan, util: float, rank: int | None = None) -> int:
+    """The KV budget a utilisation gives under `plan`'s non-KV estimate: util × total − the
+    non-KV memory vLLM subtracts, on `rank` (default: the least of all ranks)."""
+    ranks = [r for r in plan.ranks if rank is None or r.rank == rank] or list(plan.ranks)
+    return max(0, min(int(util * r.total_bytes) - r.runtime_non_kv_bytes for r in ranks))
+
+
+def budget_key(spec: ServiceSpec) -> str:
+    """Fingerprint (16 hex digits) of every spec field a KV budget depends on. Store it with
+    the budget (e.g. a Deployment annotation); when it changes, the budget is re-planned."""
+    e, m, r = spec.engine, spec.memory, spec.remediation
+    doc = {
+        "model": [
+            spec.model.name,
+            dict(spec.model.shape or {}),
+            spec.model.config_map,
+            spec.model.config_map_key,
+        ],
+        "split": [spec.tp, spec.pp],
+        "engine": [
+            e.max_num_seqs,
+            e.max_model_len,
+            e.max_num_batched_tokens,
+            e.dtype,
+            e.kv_cache_dtype,
+            e.block_size,
+            e.enforce_eager,
+            e.logits_mode,
+            list(e.extra_args),
+        ],
+        "memory": [
+            m.gpu_memory_utilization,
+            m.kv_cache_memory_bytes,
+            m.safety_margin_bytes,
+            m.gpu_memory_bytes,
+        ],
+        "bounds": [r.min_kv_cache_bytes, r.max_kv_cache_bytes],
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# vLLM's own default for --gpu-memory-utilization (vllm-memory-facts.md).
+VLLM_DEFAULT_UTILIZATION = 0.92
+
+
+def startup_utilization(plan: Plan | None, kv_cache_memory_bytes: int) -> float | None:
+    """The --gpu-memory-utilization to render NEXT TO a byte budget, from the spec's prior plan.
+
+    vLLM's worker checks `free memory at start-up >= total x gpu_memory_utilization` even when
+    --kv-cache-memory-bytes is set (v1 gpu_worker.init_device), with 0.92 by default. After
+    CUDA context and NCCL init a small card under TP can have less than 92 % free (4.5 GiB of
+    NCCL is 19 % of a 24 GB card), and vLLM then refuses to start although the budget fits.
+    The byte budget alone sizes the KV cache, so the utilisation only has to say what vLLM
+    will really use: the bottleneck's runtime non-KV memory plus the budget, as a fraction of
+    its total, rounded up to 0.001 (82 MB on an 80 GiB card, inside the safety margin), and
+    never above vLLM's default. The caller passes the PRIOR plan (`prior_plan`, never one from
+    live measurements), so the value changes exactly when the budget or the spec does, and
+    never rolls the Deployment by itself. None (vLLM's default applies) without a plan: the
+    GPU size is not in the spec, or the spec cannot be planned."""
+    if plan is None:
+        return None
+    needed = max((r.runtime_non_kv_bytes + kv_cache_memory_bytes) / r.total_bytes for r in plan.ranks)
+    if needed <= 0:
+        return None
+    return min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)
+
+
+def prior_plan(spec: ServiceSpec) -> Plan | None:
+    """The plan from the spec alone (priors, spec.memory.gpuMemoryBytes): what rendering sizes
+    its start-up utilisation and probe from. None while one GPU's size is unknown; raises
+    SpecError when the spec cannot be planned."""
+    return initial_plan(spec)
+
+
+def measured_plan(
+    spec: ServiceSpec,
+    observation: Observation | None,
+    *,
+    shape: ModelShape | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+) -> Plan | None:
+    """The plan the policy decides with: the planner's budget for `spec`, with each fresh rank's
+    measured total and probe figures (from `observation`) replacing the priors. None while one
+    GPU's size is unknown. Raises SpecError when the spec cannot be planned."""
+    return initial_plan(spec, measured=gpu_totals(observation), shape=shape, hf_config=hf_config)

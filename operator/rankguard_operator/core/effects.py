@@ -1,0 +1,53 @@
+"""The effects of a reconcile step: values the edge carries out, in the order given.
+
+Pure: no I/O (these only describe what to do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class WriteIntent:
+    """Merge-patch `.status.pendingRemediation` BEFORE the roll it announces."""
+
+    pending: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ApplyDeployment:
+    body: Mapping[str, Any]
+    remediation_id: str | None = None  # the roll of a remediation (counted once in metrics)
+    action: str | None = None
+    trigger: str | None = None
+
+
+@dataclass(frozen=True)
+class ApplyService:
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class PostEvent:
+    """An Event on the LLMService. `name` makes it idempotent (a remediation's Event is named
+    after its id); `repeat` events are rate-limited by reason at the edge, since a state that
+    lasts (a hold, Degraded) is re-decided every pass."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+    name: str | None = None
+    repeat: bool = False
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    """A JSON merge patch of `.status` (only what changed)."""
+
+    patch: Mapping[str, Any]
+
+
+Effect = WriteIntent | ApplyDeployment | ApplyService | PostEvent | WriteStatus

@@ -1,0 +1,127 @@
+"""The serving flags rankguard manages at run time: the KV budget and the container memory limit.
+
+`ServingFlags` is the small piece of state the policy changes (everything else in the
+Deployment follows from the spec). It travels three ways: into the rendered Deployment (as
+vLLM flags and a resource limit), into `.status` (`to_status` / `from_status`, camelCase, as
+the CRD's `lastKnownGood` object spells them), and into Events (`describe`).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rankguard_operator.core.units import QuantityError, format_bytes, format_quantity, parse_bytes
+
+
+class FlagsError(ValueError):
+    """Impossible serving flags (a negative budget, a utilisation outside (0, 1])."""
+
+
+@dataclass(frozen=True)
+class ServingFlags:
+    """What the vLLM container runs with, beyond the spec.
+
+    kv_cache_memory_bytes: `--kv-cache-memory-bytes` (one value for every rank). When set it
+        wins: vLLM then ignores `--gpu-memory-utilization`, so only one of the two is rendered.
+    gpu_memory_utilization: `--gpu-memory-utilization`, used only while no byte budget is known.
+    memory_limit_bytes: the container's host-memory limit; None means "as spec.resources says".
+    """
+
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    memory_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        kv = self.kv_cache_memory_bytes
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise FlagsError(f"kv_cache_memory_bytes must be a positive integer, got {kv!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and (
+            isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or not 0 < u <= 1
+        ):
+            raise FlagsError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        m = self.memory_limit_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise FlagsError(f"memory_limit_bytes must be a positive integer, got {m!r}")
+
+    @property
+    def uses_bytes(self) -> bool:
+        """True when the KV budget is explicit bytes (rankguard's normal mode)."""
+        return self.kv_cache_memory_bytes is not None
+
+    def with_kv(self, kv_cache_memory_bytes: int) -> ServingFlags:
+        """The same flags with an explicit byte budget (which replaces any utilisation)."""
+        return replace(self, kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=None)
+
+    def with_memory_limit(self, memory_limit_bytes: int | None) -> ServingFlags:
+        return replace(self, memory_limit_bytes=memory_limit_bytes)
+
+    def budget_text(self) -> str:
+        """The KV budget as the KV-BUDGET column shows it: `27.6Gi`, `util 0.92`, or `vllm default`."""
+        if self.kv_cache_memory_bytes is not None:
+            return format_bytes(self.kv_cache_memory_bytes)
+        if self.gpu_memory_utilization is not None:
+            return f"util {self.gpu_memory_utilization:g}"
+        return "vllm default"
+
+    def describe(self) -> str:
+        """One line for Events and messages: `kv-cache-memory-bytes 27.6Gi, memory limit 64Gi`."""
+        if self.kv_cache_memory_bytes is not None:
+            parts = [f"kv-cache-memory-bytes {format_bytes(self.kv_cache_memory_bytes)}"]
+        elif self.gpu_memory_utilization is not None:
+            parts = [f"gpu-memory-utilization {self.gpu_memory_utilization:g}"]
+        else:
+            parts = ["vLLM's default KV budget"]
+        if self.memory_limit_bytes is not None:
+            parts.append(f"memory limit {format_bytes(self.memory_limit_bytes)}")
+        return ", ".join(parts)
+
+    def to_status(self) -> dict[str, Any]:
+        """camelCase for `.status` (the CRD's lastKnownGood object); unset fields are left out.
+
+        The memory limit is written as an exact Kubernetes quantity (`memoryLimit: 64Gi`), the
+        form the CRD declares; `from_status` reads it back without loss."""
+        doc: dict[str, Any] = {}
+        if self.kv_cache_memory_bytes is not None:
+            doc["kvCacheMemoryBytes"] = self.kv_cache_memory_bytes
+        if self.gpu_memory_utilization is not None:
+            doc["gpuMemoryUtilization"] = float(self.gpu_memory_utilization)
+        if self.memory_limit_bytes is not None:
+            doc["memoryLimit"] = format_quantity(self.memory_limit_bytes)
+        return doc
+
+    @classmethod
+    def from_status(cls, doc: Any) -> ServingFlags | None:
+        """Read `to_status` output back. None when there is nothing (or nothing valid) to read:
+        status is written by us, but a person can edit it, and a bad status must not crash us."""
+        if not isinstance(doc, Mapping) or not doc:
+            return None
+        try:
+            kv = _opt_int(doc.get("kvCacheMemoryBytes"))
+            util = doc.get("gpuMemoryUtilization")
+            if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float))):
+                return None
+            limit_raw = doc.get("memoryLimit", doc.get("memoryLimitBytes"))
+            limit = None if limit_raw is None else parse_bytes(limit_raw)
+            if kv is None and util is None and limit is None:
+                return None
+            return cls(
+                kv_cache_memory_bytes=kv,
+                gpu_memory_utilization=None if util is None else float(util),
+                memory_limit_bytes=limit,
+            )
+        except (FlagsError, QuantityError, TypeError, ValueError):
+            return None
+
+
+def _opt_int(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return v

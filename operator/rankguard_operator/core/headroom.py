@@ -1,0 +1,191 @@
+"""Per-rank headroom: many agents' reports -> one `Observation` the policy and status read.
+
+Every replica runs every rank, so rank r exists once per pod. What matters for a per-GPU
+budget (one value for all ranks and all replicas) is the WORST replica of each rank: the
+lowest minimum free memory seen over the agent's sampling window. The bottleneck is the rank
+whose worst figure is lowest; it is computed, never assumed to be rank 0 (DESIGN §1).
+
+Freshness: a report received more than `stale_after` seconds ago, a report whose sampler is
+not healthy, and a rank sample carrying an error (GPU lost) are kept for display, marked
+stale, and never used for a decision (DESIGN §5).
+
+Callers should pass only reports from pods running the current template: a pod that still
+runs the previous flags describes the previous budget.
+
+Pure: no I/O, no clock (`now` is an argument).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rankguard_agent.recognisers import AVAILABLE_KV
+from rankguard_agent.report import Report
+from rankguard_operator.core.planner import RankMeasurement
+
+ReportInput = tuple[str, Report, float]  # (pod name, validated report, received_at epoch seconds)
+
+
+@dataclass(frozen=True)
+class RankHeadroom:
+    """One rank's worst replica. `headroom_bytes` is the lowest free memory in the window."""
+
+    rank: int
+    uuid: str
+    pod: str
+    total_bytes: int
+    free_bytes: int
+    min_free_bytes: int
+    stale: bool = False
+    error: str | None = None
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.min_free_bytes
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the agents said, aggregated. `ranks` holds fresh ranks and, for ranks with no fresh
+    data, their last stale figures (marked); decisions use only `fresh_ranks`."""
+
+    now: float
+    ranks: tuple[RankHeadroom, ...] = ()
+    fresh_pods: tuple[str, ...] = ()
+    stale_pods: tuple[str, ...] = ()
+    # the probe's free memory after CUDA/NCCL init, worst replica per rank, ok probes only
+    measurements: tuple[RankMeasurement, ...] = ()
+    # vLLM's "Available KV cache memory" as printed by the engines (lowest over fresh pods)
+    kv_cache_bytes: int | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)  # why data was excluded, for status/events
+
+    @property
+    def fresh_ranks(self) -> tuple[RankHeadroom, ...]:
+        return tuple(r for r in self.ranks if not r.stale)
+
+    @property
+    def has_fresh_data(self) -> bool:
+        return any(not r.stale for r in self.ranks)
+
+    @property
+    def stale_count(self) -> int:
+        return len(self.stale_pods)
+
+    @property
+    def bottleneck(self) -> RankHeadroom | None:
+        """The fresh rank with the least headroom (ties: the lowest rank), or None."""
+        fresh = self.fresh_ranks
+        if not fresh:
+            return None
+        return min(fresh, key=lambda r: (r.min_free_bytes, r.rank))
+
+    @property
+    def bottleneck_rank(self) -> int | None:
+        b = self.bottleneck
+        return None if b is None else b.rank
+
+    @property
+    def min_headroom_bytes(self) -> int | None:
+        b = self.bottleneck
+        return None if b is None else b.min_free_bytes
+
+    def rank(self, index: int) -> RankHeadroom | None:
+        for r in self.ranks:
+            if r.rank == index:
+                return r
+        return None
+
+
+def _worse(a: RankHeadroom | None, b: RankHeadroom) -> RankHeadroom:
+    if a is None:
+        return b
+    # least headroom wins; ties go to the first pod by name so the result never depends on order
+    return min(a, b, key=lambda r: (r.min_free_bytes, r.pod))
+
+
+def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) -> Observation:
+    """Aggregate reports from the pods of one LLMService (one report per pod)."""
+    fresh: dict[int, RankHeadroom] = {}
+    stale: dict[int, RankHeadroom] = {}
+    fresh_pods: list[str] = []
+    stale_pods: list[str] = []
+    probe_free: dict[int, tuple[int, int | None]] = {}
+    kv_seen: list[int] = []
+    notes: list[str] = []
+    for pod, report, received_at in sorted(reports, key=lambda x: x[0]):
+        age = now - received_at
+        too_old = age > stale_after
+        if too_old:
+            notes.append(f"{pod}: report is {age:.0f}s old (limit {stale_after:g}s)")
+        elif not report.sampler_ok:
+            notes.append(f"{pod}: the agent's sampler is not healthy")
+        pod_fresh = not too_old and report.sampler_ok
+        (fresh_pods if pod_fresh else stale_pods).append(pod)
+        totals: dict[int, int] = {}
+        for s in report.ranks:
+            usable = pod_fresh and s.error is None
+            if pod_fresh and s.error is not None:
+                notes.append(f"{pod}: rank {s.rank}: {s.error}")
+            row = RankHeadroom(
+                rank=s.rank,
+                uuid=s.uuid,
+                pod=pod,
+                total_bytes=s.total_bytes,
+                free_bytes=s.free_bytes,
+                min_free_bytes=s.min_free_bytes,
+                stale=not usable,
+                error=s.error,
+            )
+            if usable:
+                fresh[s.rank] = _worse(fresh.get(s.rank), row)
+                totals[s.rank] = s.total_bytes
+            else:
+                stale[s.rank] = _worse(stale.get(s.rank), row)
+        if not pod_fresh:
+            continue
+        if report.probe is not None and report.probe.ok:
+            for p in report.probe.ranks:
+                if p.error is not None:
+                    continue
+                prev = probe_free.get(p.rank)
+                if prev is None or p.free_after_bytes < prev[0]:
+                    probe_free[p.rank] = (p.free_after_bytes, totals.get(p.rank))
+        for line in report.kv_lines:
+            if line.kind == AVAILABLE_KV and line.value > 0:
+                kv_seen.append(int(line.value))
+    rows = [fresh[r] for r in sorted(fresh)] + [stale[r] for r in sorted(stale) if r not in fresh]
+    measurements = tuple(
+        RankMeasurement(rank=r, total_bytes=total, free_after_init_bytes=free)
+        for r, (free, total) in sorted(probe_free.items())
+        # a probe figure above the device's total is garbage; the planner would refuse it
+        if total is None or free <= total
+    )
+    return Observation(
+        now=now,
+        ranks=tuple(sorted(rows, key=lambda r: r.rank)),
+        fresh_pods=tuple(fresh_pods),
+        stale_pods=tuple(stale_pods),
+        measurements=measurements,
+        kv_cache_bytes=min(kv_seen) if kv_seen else None,
+        notes=tuple(notes),
+    )
+
+
+def gpu_totals(observation: Observation | None) -> tuple[RankMeasurement, ...]:
+    """Each fresh rank's device total as a planner measurement (when no probe ran, the total
+    alone still replaces spec.memory.gpuMemoryBytes), merged with the probe figures."""
+    if observation is None:
+        return ()
+    probe = {m.rank: m for m in observation.measurements}
+    out = []
+    for r in observation.fresh_ranks:
+        m = probe.get(r.rank)
+        out.append(
+            RankMeasurement(
+                rank=r.rank,
+                total_bytes=r.total_bytes,
+                free_after_init_bytes=None if m is None else m.free_after_init_bytes,
+            )
+        )
+    return tuple(out)

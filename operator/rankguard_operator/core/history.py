@@ -1,0 +1,145 @@
+"""The remediation history: what rankguard changed, when and why, as kept in `.status`.
+
+`Remediation` is one automatic change; `to_status` / `from_status` map it to the CRD's
+`status.remediations[]` item (time, trigger, action, rank, from, to, revision, message) and
+back. The policy reads the history for its guard rails (cooldown, changes per hour, the
+budgets that failed in the last day).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.observe import format_time, parse_time
+from rankguard_operator.core.units import QuantityError, format_quantity, parse_bytes
+
+# Decision actions -> the CRD's action names.
+STATUS_ACTIONS: dict[str, str] = {
+    "initial": "Initial",
+    "shrink": "ShrinkKVCache",
+    "degrade": "ShrinkKVCache",  # a degrade that changes flags sets the floor: a shrink
+    "grow": "GrowKVCache",
+    "replan": "Replan",
+    "raise-memory-limit": "BumpMemoryLimit",
+    "rollback": "Rollback",
+}
+_FROM_STATUS_ACTIONS = {
+    "ShrinkKVCache": "shrink",
+    "GrowKVCache": "grow",
+    "Replan": "replan",
+    "BumpMemoryLimit": "raise-memory-limit",
+    "Rollback": "rollback",
+    "Initial": "initial",
+}
+
+
+@dataclass(frozen=True)
+class Remediation:
+    """One automatic change, as kept (bounded) in `.status.remediations`."""
+
+    time: float
+    trigger: str
+    action: str  # a Decision action: shrink, grow, replan, raise-memory-limit, rollback, degrade
+    rank: int | None
+    from_flags: ServingFlags | None
+    to_flags: ServingFlags
+    revision: str | int | None = None
+    message: str = ""
+
+    def to_status(self) -> dict[str, Any]:
+        """The CRD's remediation item; from/to carry the value that changed (bytes for the KV
+        budget, a quantity for the memory limit, `util=0.92` for a utilisation), and
+        fromFlags/toFlags keep the whole flags when the schema preserves them."""
+        doc: dict[str, Any] = {
+            "time": format_time(self.time),
+            "trigger": self.trigger,
+            "action": STATUS_ACTIONS.get(self.action, self.action),
+            "message": self.message[:1024],
+        }
+        if self.rank is not None:
+            doc["rank"] = self.rank
+        limit_changed = self.action == "raise-memory-limit" or (
+            self.from_flags is not None
+            and self.from_flags.kv_cache_memory_bytes == self.to_flags.kv_cache_memory_bytes
+            and self.from_flags.gpu_memory_utilization == self.to_flags.gpu_memory_utilization
+        )
+        frm = _scalar(self.from_flags, limit_changed)
+        to = _scalar(self.to_flags, limit_changed)
+        if frm is not None:
+            doc["from"] = frm
+        if to is not None:
+            doc["to"] = to
+        if self.revision is not None:
+            doc["revision"] = self.revision
+        if self.from_flags is not None:
+            doc["fromFlags"] = self.from_flags.to_status()
+        doc["toFlags"] = self.to_flags.to_status()
+        return doc
+
+    @classmethod
+    def from_status(cls, doc: Any) -> Remediation | None:
+        """Read a history item back (None when it is unreadable: status may be hand-edited)."""
+        if not isinstance(doc, Mapping):
+            return None
+        t = parse_time(doc.get("time"))
+        if t is None:
+            return None
+        action = _FROM_STATUS_ACTIONS.get(str(doc.get("action")), str(doc.get("action") or ""))
+        frm = ServingFlags.from_status(doc.get("fromFlags")) or _flags_from_scalar(doc.get("from"))
+        to = (
+            ServingFlags.from_status(doc.get("toFlags"))
+            or _flags_from_scalar(doc.get("to"))
+            or ServingFlags()
+        )
+        rank = doc.get("rank")
+        revision = doc.get("revision")
+        return cls(
+            time=t,
+            trigger=str(doc.get("trigger") or ""),
+            action=action,
+            rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+            from_flags=frm,
+            to_flags=to,
+            revision=revision
+            if isinstance(revision, (str, int)) and not isinstance(revision, bool)
+            else None,
+            message=str(doc.get("message") or ""),
+        )
+
+
+def _scalar(flags: ServingFlags | None, limit: bool) -> int | str | None:
+    if flags is None:
+        return None
+    if limit:
+        return None if flags.memory_limit_bytes is None else format_quantity(flags.memory_limit_bytes)
+    if flags.kv_cache_memory_bytes is not None:
+        return flags.kv_cache_memory_bytes
+    if flags.gpu_memory_utilization is not None:
+        return f"util={flags.gpu_memory_utilization!r}"
+    return None
+
+
+def _flags_from_scalar(v: Any) -> ServingFlags | None:
+    try:
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return ServingFlags(kv_cache_memory_bytes=v)
+        if isinstance(v, str) and v.startswith("util="):
+            return ServingFlags(gpu_memory_utilization=float(v[5:]))
+        if isinstance(v, str) and v:
+            return ServingFlags(memory_limit_bytes=parse_bytes(v))
+    except (ValueError, QuantityError):
+        return None
+    return None
+
+
+def history_from_status(items: Any) -> list[Remediation]:
+    """`.status.remediations` -> Remediation list (unreadable items skipped), oldest first."""
+    if not isinstance(items, list):
+        return []
+    out = [r for r in (Remediation.from_status(i) for i in items) if r is not None]
+    return sorted(out, key=lambda r: r.time)

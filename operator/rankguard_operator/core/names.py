@@ -1,0 +1,99 @@
+"""Names, labels and annotations of what rankguard renders, within Kubernetes' limits.
+
+An LLMService name is a DNS subdomain (up to 253 characters, dots allowed, may start with a
+digit). What rankguard derives from it must fit stricter rules: a label value is at most 63
+characters, and a Service name is a DNS-1035 label (63 characters, a letter first, no dots).
+Each derived value is the name itself when it fits, else a readable prefix plus a hash of the
+full name, so two services never share one. The pod index is keyed by the label value
+(`label_value`), and everything that looks pods up uses the same function.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+API_GROUP = "rankguard.io"
+API_VERSION = "v1alpha1"
+PLURAL = "llmservices"
+OWNER_API_VERSION = f"{API_GROUP}/{API_VERSION}"
+OWNER_KIND = "LLMService"
+
+VLLM_CONTAINER = "vllm"
+AGENT_INIT_CONTAINER = "rankguard-agent-install"
+AGENT_VOLUME = "rankguard-agent"
+AGENT_MOUNT_PATH = "/opt/rankguard/agent"
+SHM_VOLUME = "dshm"
+TERMINATION_LOG = "/dev/termination-log"
+VLLM_HTTP_PORT = 8000
+GPU_RESOURCE = "nvidia.com/gpu"
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rankguard"
+LLMSERVICE_LABEL = f"{API_GROUP}/llmservice"
+TEMPLATE_HASH_ANNOTATION = f"{API_GROUP}/template-hash"
+FLAGS_ANNOTATION = f"{API_GROUP}/serving-flags"
+# On the Deployment (never its pod template): the remediation a roll carried out.
+REMEDIATION_ID_ANNOTATION = f"{API_GROUP}/remediation-id"
+
+_MAX_LABEL = 63
+_HASH_CHARS = 8
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:_HASH_CHARS]
+
+
+def _shorten(text: str, full_name: str) -> str:
+    """`text` cut so that `-<hash of full_name>` fits 63 characters, ending alphanumeric."""
+    head = text[: _MAX_LABEL - _HASH_CHARS - 1].rstrip("-.")
+    return f"{head}-{_digest(full_name)}" if head else _digest(full_name)
+
+
+def label_value(name: str) -> str:
+    """The LLMService's name as a label value: itself up to 63 characters, else shortened with a
+    hash. The pods carry it and the pod index is keyed by it."""
+    return name if len(name) <= _MAX_LABEL else _shorten(name, name)
+
+
+def service_name(name: str) -> str:
+    """A valid Service name (DNS-1035 label) for the LLMService `name`: the name itself when it
+    is one, else a letter-first, dot-free form with a hash of the full name."""
+    if _DNS1035.match(name) and len(name) <= _MAX_LABEL:
+        return name
+    text = name.replace(".", "-")
+    if not text[:1].isalpha():
+        text = f"svc-{text}"
+    return _shorten(text, name)
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels on the Deployment, its pods and the Service."""
+    value = label_value(name)
+    return {
+        "app.kubernetes.io/name": "vllm",
+        "app.kubernetes.io/instance": value,
+        MANAGED_BY_LABEL: MANAGED_BY,
+        LLMSERVICE_LABEL: value,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    """The pod selector (immutable on a Deployment, so deliberately small and stable)."""
+    return {"app.kubernetes.io/name": "vllm", LLMSERVICE_LABEL: label_value(name)}
+
+
+def owner_reference(name: str, owner_uid: str) -> dict[str, Any]:
+    """Makes the LLMService the controller of what it renders, so deleting it cascades."""
+    return {
+        "apiVersion": OWNER_API_VERSION,
+        "kind": OWNER_KIND,
+        "name": name,
+        "uid": owner_uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

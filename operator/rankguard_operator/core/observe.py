@@ -1,0 +1,366 @@
+"""Pure extraction from API objects: container terminations, pod readiness, rollout progress.
+
+Input is what the API server returns (camelCase dicts, as kopf hands them over); output is
+small frozen dataclasses the policy reads. Also the RFC 3339 time helpers the status uses.
+
+How a termination is identified: the kubelet reports the run that just ended first in
+`state.terminated` (restartCount N) and, once the container restarted, in
+`lastState.terminated` (restartCount N+1). Both describe run N, so `Termination.restart_count`
+is that run's number and `key` (pod uid / container / run) is the same in both views: a
+termination delivered twice, or seen in both places, is handled once.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from rankguard_agent import termination as tm
+from rankguard_agent.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, VLLM_CONTAINER
+
+TerminationKind = Literal["CUDAOutOfMemory", "KVCacheTooSmall", "OOMKilled", "EngineError", "Other"]
+CUDA_OOM: TerminationKind = "CUDAOutOfMemory"
+KV_CACHE_TOO_SMALL: TerminationKind = "KVCacheTooSmall"
+OOM_KILLED: TerminationKind = "OOMKilled"
+ENGINE_ERROR: TerminationKind = "EngineError"
+OTHER: TerminationKind = "Other"
+MEMORY_KINDS: tuple[str, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED)
+
+# Exit codes of a process stopped by SIGINT/SIGTERM (128 + signal): a normal rollout or
+# scale-down stopping the pod, never an engine failure.
+_STOP_EXIT_CODES = (130, 143)
+_MAX_MESSAGE = 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Time
+
+
+def parse_time(text: Any) -> float | None:
+    """RFC 3339 (`2026-11-29T21:46:00Z`, as the API writes times) -> epoch seconds, or None."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def format_time(ts: float) -> str:
+    """Epoch seconds -> RFC 3339 in UTC with a Z, whole seconds (the API's metav1.Time form)."""
+    return datetime.fromtimestamp(int(ts), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --------------------------------------------------------------------------------------------
+# Pods
+
+
+def _get(doc: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(doc, Mapping):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition is True (and it is not being deleted)."""
+    if _get(pod, "metadata", "deletionTimestamp"):
+        return False
+    for c in _get(pod, "status", "conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return False
+
+
+def pod_ip(pod: Mapping[str, Any]) -> str | None:
+    ip = _get(pod, "status", "podIP")
+    return ip if isinstance(ip, str) and ip else None
+
+
+def carried_template_hash(obj: Mapping[str, Any] | None) -> str | None:
+    """The rankguard template hash a pod (or a pod template) carries in its annotations: the
+    template the pod was created from. None for anything rankguard did not render."""
+    v = _get(obj, "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
+    return v if isinstance(v, str) and v else None
+
+
+def deployment_template_hash(deployment: Mapping[str, Any] | None) -> str | None:
+    """The template hash of the pod template a Deployment holds now (None: none, or not ours)."""
+    return carried_template_hash(_get(deployment, "spec", "template"))
+
+
+def pod_flags(pod: Mapping[str, Any]) -> ServingFlags | None:
+    """The serving flags the pod was rendered with, from its annotation."""
+    raw = _get(pod, "metadata", "annotations", FLAGS_ANNOTATION)
+    if not isinstance(raw, str):
+        return None
+    try:
+        return ServingFlags.from_status(json.loads(raw))
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Terminations
+
+
+@dataclass(frozen=True)
+class Termination:
+    """One ended run of the vLLM container, with whatever the termination message told."""
+
+    pod_name: str
+    pod_uid: str
+    container: str
+    restart_count: int  # the number of the run that ended (0 = first run)
+    kind: TerminationKind
+    exit_code: int | None
+    rank: int | None = None
+    requested_bytes: int | None = None
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+    finished_at: float | None = None  # epoch seconds; None if the kubelet gave no time
+    message: str = ""
+    reason: str = ""  # the kubelet's reason (OOMKilled, Error, Completed, ...)
+    kv_cache_bytes: int | None = None  # vLLM's "Available KV cache memory" in the run, if printed
+    flags: ServingFlags | None = None  # what the pod ran with (its rankguard annotation)
+
+    @property
+    def key(self) -> str:
+        """Dedup key: the same run seen twice (or in state and lastState) has the same key."""
+        return f"{self.pod_uid}/{self.container}/{self.restart_count}"
+
+    @property
+    def deficit_bytes(self) -> int | None:
+        """Bytes the failing allocation lacked (requested − free), when both were reported."""
+        if self.requested_bytes is None or self.free_bytes is None:
+            return None
+        return max(0, self.requested_bytes - self.free_bytes)
+
+
+def _kv_bytes_from_line(line: str | None) -> int | None:
+    if not line:
+        return None
+    seen = recognise(line)
+    if isinstance(seen, KVObservation) and seen.kind == AVAILABLE_KV:
+        return int(seen.value)
+    return None
+
+
+def _from_log_tail(text: str, reason: str, exit_code: int | None) -> dict[str, Any]:
+    """A termination message that is not rankguard's JSON: the kubelet's log tail (the launcher
+    died before writing, or an older image). Recognise a CUDA OOM or KV refusal in it, line by
+    line from the end, with the agent's own recognisers; else classify by exit code."""
+    for line in reversed(text.splitlines()):
+        seen = recognise(line)
+        if isinstance(seen, CudaOom):
+            return {
+                "kind": CUDA_OOM,
+                "rank": seen.gpu_index,
+                "requested_bytes": seen.requested_bytes,
+                "free_bytes": seen.free_bytes,
+                "total_bytes": seen.total_bytes,
+                "message": seen.text,
+            }
+        if isinstance(seen, KVTooSmall):
+            return {"kind": KV_CACHE_TOO_SMALL, "message": seen.text}
+    stopped = exit_code in _STOP_EXIT_CODES or reason == "Completed" or exit_code == 0
+    tail = text.strip().splitlines()[-1] if text.strip() else ""
+    return {"kind": OTHER if stopped else ENGINE_ERROR, "message": tail}
+
+
+def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
+    reason = str(terminated.get("reason") or "")
+    exit_code = terminated.get("exitCode")
+    code = exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None
+    text = terminated.get("message")
+    text = text if isinstance(text, str) else ""
+    try:
+        msg = tm.parse_termination_message(text)
+    except tm.TerminationError:
+        info = _from_log_tail(text, reason, code)
+    else:
+        kinds: dict[str, TerminationKind] = {
+            tm.CUDA_OOM: CUDA_OOM,
+            tm.KV_CACHE_TOO_SMALL: KV_CACHE_TOO_SMALL,
+            tm.ENGINE_ERROR: ENGINE_ERROR,
+        }
+        info = {
+            "kind": kinds.get(msg.reason, OTHER),
+            "rank": msg.rank if msg.rank is not None else msg.gpu_index,
+            "requested_bytes": msg.requested_bytes,
+            "free_bytes": msg.free_bytes,
+            "total_bytes": msg.total_bytes,
+            "message": msg.detail or msg.reason,
+            "kv_cache_bytes": _kv_bytes_from_line(msg.last_kv_line),
+        }
+    # The host cgroup's verdict wins: when the kernel OOM-killed the container, whatever the
+    # launcher managed to write (usually "Signaled") is a consequence, not the cause.
+    if reason == "OOMKilled":
+        info["kind"] = OOM_KILLED
+        info["message"] = info.get("message") or "container OOMKilled (host memory limit)"
+    info["reason"] = reason
+    info["exit_code"] = code
+    info["finished_at"] = parse_time(terminated.get("finishedAt"))
+    info["message"] = str(info.get("message") or "")[:_MAX_MESSAGE]
+    return info
+
+
+def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> list[Termination]:
+    """Every ended run of `container` visible in the pod's status (0, 1 or 2), oldest first."""
+    uid = str(_get(pod, "metadata", "uid") or "")
+    name = str(_get(pod, "metadata", "name") or "")
+    flags = pod_flags(pod)
+    out: list[Termination] = []
+    for cs in _get(pod, "status", "containerStatuses") or []:
+        if not isinstance(cs, Mapping) or cs.get("name") != container:
+            continue
+        restarts = cs.get("restartCount")
+        restarts = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0
+        # (where, run number): see the module docstring for why the numbers differ
+        views = (("lastState", restarts - 1), ("state", restarts))
+        for where, run in views:
+            terminated = _get(cs, where, "terminated")
+            if not isinstance(terminated, Mapping) or run < 0:
+                continue
+            out.append(
+                Termination(
+                    pod_name=name,
+                    pod_uid=uid,
+                    container=container,
+                    restart_count=run,
+                    flags=flags,
+                    **_classify(terminated),
+                )
+            )
+    return out
+
+
+def new_terminations(pods: Sequence[Mapping[str, Any]], seen: Sequence[str] | set[str]) -> list[Termination]:
+    """Terminations across `pods` whose key is not in `seen`, each once, oldest first."""
+    known = set(seen)
+    out: list[Termination] = []
+    for pod in pods:
+        for t in terminations(pod):
+            if t.key not in known:
+                known.add(t.key)
+                out.append(t)
+    return sorted(out, key=lambda t: (t.finished_at or 0.0, t.key))
+
+
+# --------------------------------------------------------------------------------------------
+# Rollouts
+
+RolloutPhase = Literal["progressing", "complete", "failed", "unknown"]
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    phase: RolloutPhase
+    replicas: int  # desired
+    updated_replicas: int
+    ready_replicas: int
+    available_replicas: int
+    observed: bool  # the Deployment controller has seen the latest generation
+    template_matches: bool  # the Deployment carries the template hash we rendered
+    reason: str = ""
+    message: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.phase == "complete"
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == "failed"
+
+
+def _count(status: Mapping[str, Any], key: str) -> int:
+    v = status.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def rollout_state(deployment: Mapping[str, Any] | None, template_hash: str) -> RolloutState:
+    """Where the Deployment's rollout of `template_hash` stands, the way `kubectl rollout status`
+    judges it: failed once the Progressing condition says ProgressDeadlineExceeded; complete
+    when the controller has observed the latest generation and every desired replica is
+    updated and available with no old replicas left; progressing otherwise. Unknown when the
+    Deployment is missing or does not carry our template yet (the apply has not landed)."""
+    if not isinstance(deployment, Mapping):
+        return RolloutState("unknown", 0, 0, 0, 0, False, False, "NotFound", "the Deployment does not exist")
+    spec = deployment.get("spec") if isinstance(deployment.get("spec"), Mapping) else {}
+    status = deployment.get("status") if isinstance(deployment.get("status"), Mapping) else {}
+    assert isinstance(spec, Mapping) and isinstance(status, Mapping)
+    desired = spec.get("replicas", 1)
+    desired = desired if isinstance(desired, int) and not isinstance(desired, bool) else 1
+    generation = _get(deployment, "metadata", "generation")
+    observed_gen = status.get("observedGeneration")
+    observed = isinstance(observed_gen, int) and (
+        not isinstance(generation, int) or observed_gen >= generation
+    )
+    current_hash = _get(spec, "template", "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
+    matches = current_hash == template_hash
+    counts = {
+        "replicas": desired,
+        "updated_replicas": _count(status, "updatedReplicas"),
+        "ready_replicas": _count(status, "readyReplicas"),
+        "available_replicas": _count(status, "availableReplicas"),
+    }
+    if not matches:
+        return RolloutState(
+            "unknown",
+            **counts,
+            observed=observed,
+            template_matches=False,
+            reason="TemplateNotApplied",
+            message=f"the Deployment does not carry template {template_hash} yet",
+        )
+    for c in status.get("conditions") or []:
+        if (
+            isinstance(c, Mapping)
+            and c.get("type") == "Progressing"
+            and c.get("reason") == "ProgressDeadlineExceeded"
+            and observed
+        ):
+            return RolloutState(
+                "failed",
+                **counts,
+                observed=True,
+                template_matches=True,
+                reason="ProgressDeadlineExceeded",
+                message=str(c.get("message") or "the rollout exceeded its progress deadline"),
+            )
+    if not observed:
+        return RolloutState(
+            "progressing",
+            **counts,
+            observed=False,
+            template_matches=True,
+            reason="NotObserved",
+            message="the Deployment controller has not observed the latest generation yet",
+        )
+    total = _count(status, "replicas")
+    up, avail = counts["updated_replicas"], counts["available_replicas"]
+    if up < desired:
+        msg = f"{up} of {desired} replicas updated"
+    elif total > up:
+        msg = f"{total - up} old replicas pending termination"
+    elif avail < up:
+        msg = f"{avail} of {up} updated replicas available"
+    else:
+        return RolloutState(
+            "complete", **counts, observed=True, template_matches=True, reason="Complete", message=""
+        )
+    return RolloutState(
+        "progressing", **counts, observed=True, template_matches=True, reason="Progressing", message=msg
+    )

@@ -1,0 +1,484 @@
+"""The per-rank KV-cache budget planner. Pure functions over plain data: no I/O, no clock.
+
+Why per rank: under tensor parallelism vLLM applies ONE KV budget to every rank (it takes the
+minimum of the workers' block counts, and `--kv-cache-memory-bytes` is one number "per GPU"),
+but non-KV memory differs by rank: the logits buffer (gathered to rank 0 in vLLM v0 / the
+article, all-gathered on every rank in vLLM v1), NCCL buffers, the pipeline-terminal stage
+under PP. So the budget must come from the rank with the least room, and that rank must be
+named, never assumed to be rank 0. Sources: shared/reference/rank0-oom-article.txt ("the
+article") and shared/reference/vllm-memory-facts.md ("the facts").
+
+API
+---
+    shape = resolve_model("meta-llama/Meta-Llama-3-70B")            # rankguard_operator.core.models
+    plan = make_plan(PlanInput(shape=shape, tp=8, gpu_memory_bytes=80 * GiB,
+                               max_num_seqs=128, logits_mode="gather"))
+    plan.kv_cache_memory_bytes   # pass as --kv-cache-memory-bytes (same on every rank)
+    plan.bottleneck_rank         # the rank that sets it
+    plan.ranks[r]                # RankPlan: weights, logits, sampler, activation, context/NCCL,
+                                 #   CUDA graphs, non-KV total, safe KV, headroom at the budget
+    plan.gpu_memory_utilization  # the equivalent --gpu-memory-utilization (when one exists)
+    plan.kv_blocks, plan.kv_tokens, plan.max_concurrency, plan.skew_loss_bytes
+    plan.vllm_flags()            # ["--tensor-parallel-size", "8", "--kv-cache-memory-bytes", ...]
+    plan.to_dict()               # the JSON of `rankguard plan --json`
+
+Measurements replace priors rank by rank: `RankMeasurement(rank, total_bytes=...,
+free_after_init_bytes=...)` (free memory after CUDA context + NCCL init, e.g. the agent's
+probe) replaces the context/NCCL prior; `peak_non_kv_bytes` (observed peak use of everything
+but the KV pool, context included) replaces the whole non-KV estimate.
+
+Building blocks for the operator's policy (shrink/grow, status): `kv_bytes_per_token`,
+`min_budget_for_one_request` (the floor that still serves one request at max_model_len),
+`capacity_for_budget` (blocks / tokens / max concurrency for any budget),
+`pp_layer_partition`, `weight_bytes`, `logits_bytes`.
+
+Budget rounding: `kv_cache_memory_bytes` is floored to a whole number of KV blocks of the
+rank whose blocks are largest, so that rank uses the budget exactly and no rank is promised
+bytes it cannot turn into a block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rankguard_operator.core.memory_model import (
+    ACTIVATION_OVERHEAD_FACTOR,
+    CONTEXT_PRIOR_BYTES,
+    CUDAGRAPH_PRIOR_BYTES,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SAFETY_MARGIN_BYTES,
+    LOGITS_BYTES_PER_VALUE,
+    LOGITS_MODES,
+    NCCL_PRIOR_BYTES,
+    PP_TERMINAL_COMM_PRIOR_BYTES,
+    SAMPLER_FP32_COPIES,
+    Capacity,
+    LogitsMode,
+    PlanError,
+    act_bytes,
+    activation_bytes,
+    blocks_per_request,
+    capacity_for_budget,
+    check_tp,
+    context_prior_bytes,
+    kv_bytes_per_token,
+    kv_dtype_bytes,
+    logits_bytes,
+    min_budget_for_one_request,
+    pp_layer_partition,
+    resolve_max_model_len,
+    stage_layers,
+    weight_bits,
+    weight_bytes,
+)
+from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.units import format_bytes
+
+# The planner's public face: its own types and functions, and the memory model's pieces that
+# callers have always imported from here.
+__all__ = [
+    "ACTIVATION_OVERHEAD_FACTOR",
+    "CONTEXT_PRIOR_BYTES",
+    "CUDAGRAPH_PRIOR_BYTES",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_SAFETY_MARGIN_BYTES",
+    "LOGITS_MODES",
+    "NCCL_PRIOR_BYTES",
+    "PP_TERMINAL_COMM_PRIOR_BYTES",
+    "Capacity",
+    "LogitsMode",
+    "Plan",
+    "PlanError",
+    "PlanInput",
+    "RankMeasurement",
+    "RankPlan",
+    "activation_bytes",
+    "capacity_for_budget",
+    "context_prior_bytes",
+    "kv_bytes_per_token",
+    "kv_dtype_bytes",
+    "logits_bytes",
+    "make_plan",
+    "min_budget_for_one_request",
+    "pp_layer_partition",
+    "weight_bytes",
+]
+
+# --------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What was measured on one rank; any figure may be missing.
+
+    free_after_init_bytes: free device memory after CUDA context and NCCL init (the agent's
+        probe, or vLLM's startup snapshot); total − this replaces the context/NCCL prior.
+    peak_non_kv_bytes: the most memory this rank used for anything but the KV pool, context
+        and NCCL included (e.g. NVML used minus the KV pool at the worst moment); replaces the
+        whole non-KV estimate.
+    total_bytes: the device's total memory (replaces PlanInput.gpu_memory_bytes for this rank).
+    """
+
+    rank: int
+    total_bytes: int | None = None
+    free_after_init_bytes: int | None = None
+    peak_non_kv_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    shape: ModelShape
+    gpu_memory_bytes: int  # total memory of one GPU
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "auto"  # vLLM --dtype: activations and unquantised weights
+    weight_dtype: str = "auto"  # auto: the checkpoint's quantisation if known, else `dtype`
+    kv_cache_dtype: str = "auto"  # vLLM --kv-cache-dtype; auto = `dtype`
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, as vLLM does
+    logits_mode: LogitsMode = "all-gather"
+    safety_margin_bytes: int = DEFAULT_SAFETY_MARGIN_BYTES
+    enforce_eager: bool = False
+    measured: tuple[RankMeasurement, ...] = ()
+    pp_layer_partition: tuple[int, ...] | None = None  # as VLLM_PP_LAYER_PARTITION; None: vLLM's split
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int  # global rank = pp_stage * tp + tp_rank (vLLM's numbering)
+    pp_stage: int
+    tp_rank: int
+    layers: int
+    total_bytes: int
+    weights_bytes: int
+    logits_bytes: int
+    sampler_bytes: int
+    activation_bytes: int
+    context_bytes: int  # CUDA context + NCCL + custom all-reduce: outside vLLM's own accounting
+    context_source: str  # "prior" | "measured"
+    cudagraph_bytes: int
+    non_kv_bytes: int
+    non_kv_source: str  # "estimate" | "measured-peak"
+    safe_kv_bytes: int  # total − non-KV: the most KV this rank can hold (negative: does not fit)
+    kv_bytes_per_token: int
+    blocks: int  # blocks this rank could cut from the planned budget
+    headroom_bytes: int  # safe KV − planned budget: what this rank keeps free while serving
+
+    @property
+    def runtime_non_kv_bytes(self) -> int:
+        """The part of non-KV that vLLM itself measures and subtracts from its requested memory."""
+        return self.non_kv_bytes - self.context_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInput
+    max_model_len: int
+    ranks: tuple[RankPlan, ...]
+    bottleneck_rank: int
+    kv_bytes_per_token: int  # per rank (the largest, if PP stages differ)
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    utilization_kv_bytes: int  # what the equivalent utilisation would give the bottleneck
+    kv_blocks: int
+    kv_tokens: int
+    max_concurrency: float
+    min_kv_cache_memory_bytes: int  # one request at max_model_len
+    naive_kv_cache_memory_bytes: int
+    skew_loss_bytes: int
+    skew_loss_tokens: int
+    feasible: bool
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def vllm_flags(self) -> list[str]:
+        """The vLLM flags this plan is valid for, budget included."""
+        i = self.inputs
+        flags = ["--tensor-parallel-size", str(i.tp)]
+        if i.pp > 1:
+            flags += ["--pipeline-parallel-size", str(i.pp)]
+        flags += [
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_memory_bytes),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(i.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(i.max_num_batched_tokens),
+            "--block-size",
+            str(i.block_size),
+        ]
+        if i.dtype != "auto":
+            flags += ["--dtype", i.dtype]
+        if i.kv_cache_dtype != "auto":
+            flags += ["--kv-cache-dtype", i.kv_cache_dtype]
+        if i.enforce_eager:
+            flags.append("--enforce-eager")
+        return flags
+
+    def to_dict(self) -> dict[str, Any]:
+        i = self.inputs
+        return {
+            "model": i.shape.name,
+            "tp": i.tp,
+            "pp": i.pp,
+            "logits_mode": i.logits_mode,
+            "gpu_memory_bytes": i.gpu_memory_bytes,
+            "dtype": i.dtype,
+            "kv_cache_dtype": i.kv_cache_dtype,
+            "block_size": i.block_size,
+            "max_num_seqs": i.max_num_seqs,
+            "max_num_batched_tokens": i.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "safety_margin_bytes": i.safety_margin_bytes,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "pp_stage": r.pp_stage,
+                    "tp_rank": r.tp_rank,
+                    "layers": r.layers,
+                    "total_bytes": r.total_bytes,
+                    "weights_bytes": r.weights_bytes,
+                    "logits_bytes": r.logits_bytes,
+                    "sampler_bytes": r.sampler_bytes,
+                    "activation_bytes": r.activation_bytes,
+                    "context_bytes": r.context_bytes,
+                    "context_source": r.context_source,
+                    "cudagraph_bytes": r.cudagraph_bytes,
+                    "non_kv_bytes": r.non_kv_bytes,
+                    "non_kv_source": r.non_kv_source,
+                    "safe_kv_bytes": r.safe_kv_bytes,
+                    "kv_bytes_per_token": r.kv_bytes_per_token,
+                    "blocks": r.blocks,
+                    "headroom_bytes": r.headroom_bytes,
+                }
+                for r in self.ranks
+            ],
+            "bottleneck_rank": self.bottleneck_rank,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "kv_cache_memory": format_bytes(self.kv_cache_memory_bytes),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "utilization_kv_bytes": self.utilization_kv_bytes,
+            "kv_blocks": self.kv_blocks,
+            "kv_tokens": self.kv_tokens,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "min_kv_cache_memory_bytes": self.min_kv_cache_memory_bytes,
+            "naive_kv_cache_memory_bytes": self.naive_kv_cache_memory_bytes,
+            "skew_loss_bytes": self.skew_loss_bytes,
+            "skew_loss_tokens": self.skew_loss_tokens,
+            "feasible": self.feasible,
+            "warnings": list(self.warnings),
+            "flags": self.vllm_flags(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+def _check_input(inp: PlanInput) -> int:
+    shape = inp.shape
+    check_tp(shape, inp.tp)
+    if isinstance(inp.pp, bool) or not isinstance(inp.pp, int) or inp.pp < 1:
+        raise PlanError(f"pipeline parallel size must be a positive integer, got {inp.pp!r}")
+    stage_layers(shape, inp.pp, inp.pp_layer_partition)
+    if inp.gpu_memory_bytes <= 0:
+        raise PlanError(f"GPU memory must be positive, got {inp.gpu_memory_bytes!r}")
+    if inp.logits_mode not in LOGITS_MODES:
+        raise PlanError(f"logits mode {inp.logits_mode!r} is not one of {', '.join(LOGITS_MODES)}")
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        v = getattr(inp, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    if inp.max_num_batched_tokens < inp.max_num_seqs:
+        raise PlanError(
+            f"max_num_batched_tokens ({inp.max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({inp.max_num_seqs}), as vLLM requires"
+        )
+    if inp.safety_margin_bytes < 0:
+        raise PlanError(f"safety margin must be >= 0, got {inp.safety_margin_bytes}")
+    act_bytes(inp.dtype)
+    kv_dtype_bytes(inp.kv_cache_dtype, inp.dtype)
+    weight_bits(shape, inp.weight_dtype, inp.dtype)
+    world = inp.tp * inp.pp
+    seen: set[int] = set()
+    for m in inp.measured:
+        if not 0 <= m.rank < world:
+            raise PlanError(f"measurement for rank {m.rank}, but ranks are 0..{world - 1}")
+        if m.rank in seen:
+            raise PlanError(f"two measurements for rank {m.rank}")
+        seen.add(m.rank)
+        total = m.total_bytes if m.total_bytes is not None else inp.gpu_memory_bytes
+        for name in ("total_bytes", "free_after_init_bytes", "peak_non_kv_bytes"):
+            v = getattr(m, name)
+            if v is not None and (v < 0 or v > total):
+                raise PlanError(f"rank {m.rank}: measured {name} {v} is outside [0, {total}]")
+    return resolve_max_model_len(shape, inp.max_model_len)
+
+
+def _floor4(x: float) -> float:
+    return math.floor(x * 10000) / 10000
+
+
+def make_plan(inp: PlanInput) -> Plan:
+    """Plan the per-GPU KV budget for every rank of one replica. Raises PlanError on impossible input."""
+    mml = _check_input(inp)
+    shape, tp, pp = inp.shape, inp.tp, inp.pp
+    stages = stage_layers(shape, pp, inp.pp_layer_partition)
+    measured = {m.rank: m for m in inp.measured}
+    warnings: list[str] = []
+
+    act = activation_bytes(shape, tp, inp.max_num_batched_tokens, inp.dtype)
+    graphs = 0 if inp.enforce_eager else CUDAGRAPH_PRIOR_BYTES
+    drafts: list[RankPlan] = []
+    for rank in range(tp * pp):
+        stage, tp_rank = divmod(rank, tp)
+        m = measured.get(rank)
+        total = m.total_bytes if m is not None and m.total_bytes is not None else inp.gpu_memory_bytes
+        weights = weight_bytes(
+            shape,
+            tp,
+            pp_stage=stage,
+            pp=pp,
+            layers=stages[stage],
+            dtype=inp.dtype,
+            weight_dtype=inp.weight_dtype,
+        )
+        terminal = stage == pp - 1
+        logits = (
+            logits_bytes(shape, tp, inp.max_num_seqs, inp.logits_mode, tp_rank=tp_rank) if terminal else 0
+        )
+        holds_full_logits = terminal and (inp.logits_mode == "all-gather" or tp_rank == 0)
+        sampler = (
+            SAMPLER_FP32_COPIES * shape.vocab_size * inp.max_num_seqs * LOGITS_BYTES_PER_VALUE
+            if holds_full_logits
+            else 0
+        )
+        if m is not None and m.free_after_init_bytes is not None:
+            context, context_source = total - m.free_after_init_bytes, "measured"
+        else:
+            context, context_source = context_prior_bytes(rank, tp, pp), "prior"
+        estimate = context + weights + logits + sampler + act + graphs
+        if m is not None and m.peak_non_kv_bytes is not None:
+            # the observation includes context; never let the runtime part go below zero
+            non_kv, non_kv_source = max(m.peak_non_kv_bytes, context), "measured-peak"
+        else:
+            non_kv, non_kv_source = estimate, "estimate"
+        drafts.append(
+            RankPlan(
+                rank=rank,
+                pp_stage=stage,
+                tp_rank=tp_rank,
+                layers=stages[stage],
+                total_bytes=total,
+                weights_bytes=weights,
+                logits_bytes=logits,
+                sampler_bytes=sampler,
+                activation_bytes=act,
+                context_bytes=context,
+                context_source=context_source,
+                cudagraph_bytes=graphs,
+                non_kv_bytes=non_kv,
+                non_kv_source=non_kv_source,
+                safe_kv_bytes=total - non_kv,
+                kv_bytes_per_token=kv_bytes_per_token(
+                    shape, tp, inp.kv_cache_dtype, dtype=inp.dtype, layers=stages[stage]
+                ),
+                blocks=0,
+                headroom_bytes=0,
+            )
+        )
+
+    # ties go to the lowest rank, so an even split names rank 0, as vLLM's reports would
+    bottleneck = min(drafts, key=lambda r: (r.safe_kv_bytes, r.rank))
+    block_unit = inp.block_size * max(r.kv_bytes_per_token for r in drafts)
+    budget = max(0, (bottleneck.safe_kv_bytes - inp.safety_margin_bytes) // block_unit * block_unit)
+    best = max(r.safe_kv_bytes for r in drafts)
+    naive = max(0, (best - inp.safety_margin_bytes) // block_unit * block_unit)
+
+    ranks = tuple(_with_budget(r, budget, inp.block_size) for r in drafts)
+
+    def capacity(b: int) -> Capacity:
+        return capacity_for_budget(
+            shape,
+            tp,
+            b,
+            kv_cache_dtype=inp.kv_cache_dtype,
+            block_size=inp.block_size,
+            max_model_len=mml,
+            pp=pp,
+            dtype=inp.dtype,
+            pp_layer_partition=stages,
+        )
+
+    cap, naive_cap = capacity(budget), capacity(naive)
+    floor = blocks_per_request(mml, inp.block_size) * block_unit
+
+    # vLLM sizes KV as util × total − (what it measures: non-KV minus context), per rank, and
+    # refuses to start when util × total exceeds free memory after init (the facts).
+    needed = max((budget + r.runtime_non_kv_bytes) / r.total_bytes for r in ranks)
+    startup_cap = min((r.total_bytes - r.context_bytes) / r.total_bytes for r in ranks)
+    util = max(0.0, _floor4(min(needed, startup_cap, 1.0)))
+    util_kv = max(0, min(math.floor(util * r.total_bytes) - r.runtime_non_kv_bytes for r in ranks))
+
+    for r in ranks:
+        if r.safe_kv_bytes <= 0:
+            warnings.append(
+                f"rank {r.rank}: weights and overheads ({format_bytes(r.non_kv_bytes)}) leave no room "
+                f"for any KV cache on a {format_bytes(r.total_bytes)} GPU; raise TP/PP or use a larger GPU"
+            )
+    feasible = budget >= floor and budget > 0
+    if not feasible:
+        warnings.append(
+            f"the KV budget {format_bytes(budget)} (rank {bottleneck.rank} is the bottleneck) cannot hold "
+            f"one request of max_model_len {mml}, which needs {format_bytes(floor)}; "
+            "lower max_model_len, raise TP, or use an fp8 KV cache"
+        )
+    if needed > startup_cap and budget > 0:
+        warnings.append(
+            f"no --gpu-memory-utilization reproduces this budget: free memory after init caps it at "
+            f"{_floor4(startup_cap)}, which gives {format_bytes(util_kv)} of KV; use --kv-cache-memory-bytes"
+        )
+    if shape.max_position_embeddings is not None and mml > shape.max_position_embeddings:
+        warnings.append(
+            f"max_model_len {mml} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+        )
+
+    return Plan(
+        inputs=inp,
+        max_model_len=mml,
+        ranks=ranks,
+        bottleneck_rank=bottleneck.rank,
+        kv_bytes_per_token=max(r.kv_bytes_per_token for r in ranks),
+        kv_cache_memory_bytes=budget,
+        gpu_memory_utilization=util,
+        utilization_kv_bytes=util_kv,
+        kv_blocks=cap.blocks,
+        kv_tokens=cap.tokens,
+        max_concurrency=cap.max_concurrency,
+        min_kv_cache_memory_bytes=floor,
+        naive_kv_cache_memory_bytes=naive,
+        skew_loss_bytes=naive - budget,
+        skew_loss_tokens=naive_cap.tokens - cap.tokens,
+        feasible=feasible,
+        warnings=tuple(warnings),
+    )
+
+
+def _with_budget(r: RankPlan, budget: int, block_size: int) -> RankPlan:
+    return replace(
+        r,
+        blocks=budget // (block_size * r.kv_bytes_per_token),
+        headroom_bytes=r.safe_kv_bytes - budget,
+    )

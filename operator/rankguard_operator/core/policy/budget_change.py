@@ -1,0 +1,111 @@
+"""Turning a wanted KV budget into a decision: whole blocks, within the floor and ceiling, or
+Degraded at the floor; and the byte budget in effect when the flags say only a utilisation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rankguard_operator.core.budget import block_unit, kv_floor, round_down, utilization_kv_bytes
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.observe import Termination
+from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
+from rankguard_operator.core.policy.tunables import KNOBS
+from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.units import format_bytes
+
+
+def effective_budget(inp: PolicyInput, t: Termination | None, rank: int | None) -> tuple[int, str] | None:
+    """The byte budget in effect when the flags say only a utilisation (see rule 1)."""
+    cur = inp.current
+    assert cur is not None
+    if cur.kv_cache_memory_bytes is not None:
+        return cur.kv_cache_memory_bytes, f"the KV budget {format_bytes(cur.kv_cache_memory_bytes)}"
+    if t is not None and t.kv_cache_bytes:
+        return t.kv_cache_bytes, f"the {format_bytes(t.kv_cache_bytes)} of KV cache vLLM reported in that run"
+    obs = inp.observation
+    if obs is not None and obs.has_fresh_data and obs.kv_cache_bytes:
+        return obs.kv_cache_bytes, f"the {format_bytes(obs.kv_cache_bytes)} of KV cache vLLM reports"
+    util = cur.gpu_memory_utilization
+    if inp.plan is not None and util is not None:
+        kv = utilization_kv_bytes(inp.plan, util, rank)
+        if kv > 0:
+            return kv, (
+                f"the {format_bytes(kv)} of KV cache that gpu-memory-utilization {util:g} leaves on "
+                f"{rank_text(rank)} by the plan's non-KV estimate"
+            )
+    return None
+
+
+def budget_change(
+    inp: PolicyInput,
+    action: Action,
+    target: int,
+    base: int,
+    *,
+    trigger: str,
+    why: str,
+    rank: int | None,
+    handled: Sequence[str] = (),
+    how: str = "",
+) -> Decision:
+    """Set the KV budget to `target` (whole blocks, within floor and ceiling), or degrade at the floor."""
+    cur = inp.current
+    assert cur is not None
+    spec, plan = inp.spec, inp.plan
+    unit = block_unit(plan)
+    floor = kv_floor(spec, plan)
+    target = round_down(target, unit)
+    if action == "shrink" and cur.kv_cache_memory_bytes is not None:
+        target = min(target, cur.kv_cache_memory_bytes - unit)  # a shrink always shrinks
+    ceiling = spec.remediation.max_kv_cache_bytes
+    if ceiling is not None:
+        target = min(target, ceiling)
+    if target < floor:
+        floor_why = floor_reason(spec, plan, floor)
+        if cur.kv_cache_memory_bytes is None or cur.kv_cache_memory_bytes > floor:
+            flags = cur.with_kv(floor)
+            did = f"rankguard sets the floor {format_bytes(floor)} and reports the service Degraded"
+        else:
+            flags = cur
+            did = f"the budget is already at the floor {format_bytes(floor)}; the service is Degraded"
+        return make_decision(
+            inp,
+            "degrade",
+            flags,
+            trigger=trigger,
+            reason="BudgetAtFloor",
+            message=(
+                f"{why}; the KV budget would have to drop to {format_bytes(max(target, 0))}, below the floor "
+                f"{format_bytes(floor)} ({floor_why}); {did}. To fix: {KNOBS}"
+            ),
+            rank=rank,
+            handled=handled,
+        )
+    verb = {"shrink": "shrinking", "grow": "growing", "replan": "setting"}.get(action, "setting")
+    return make_decision(
+        inp,
+        action,
+        cur.with_kv(target),
+        trigger=trigger,
+        reason={"shrink": "ShrankKVCache", "grow": "GrewKVCache"}.get(action, "Replanned"),
+        message=f"{why}; {verb} the per-GPU KV budget from {format_bytes(base)} to "
+        f"{format_bytes(target)}{how}",
+        rank=rank,
+        handled=handled,
+    )
+
+
+def utilization_base(plan: Plan, cur: ServingFlags) -> int:
+    """What the current utilisation gives by the plan's estimate (the "from" of a replan)."""
+    u = cur.gpu_memory_utilization
+    return utilization_kv_bytes(plan, u) if u is not None else plan.utilization_kv_bytes
+
+
+def floor_reason(spec: ServiceSpec, plan: Plan | None, floor: int) -> str:
+    parts = []
+    if plan is not None and plan.min_kv_cache_memory_bytes == floor:
+        parts.append(f"one request of maxModelLen {plan.max_model_len} tokens")
+    if spec.remediation.min_kv_cache_bytes == floor:
+        parts.append("spec.remediation.minKVCacheBytes")
+    return " and ".join(parts) or "one KV block"

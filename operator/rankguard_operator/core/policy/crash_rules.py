@@ -1,0 +1,279 @@
+"""Rules 1-5: a run ended badly (CUDA OOM, KV cache too small, OOMKilled, a failed rollout, an
+engine error after a change)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rankguard_operator.core.budget import kv_floor
+from rankguard_operator.core.observe import (
+    CUDA_OOM,
+    ENGINE_ERROR,
+    KV_CACHE_TOO_SMALL,
+    OOM_KILLED,
+    Termination,
+)
+from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
+from rankguard_operator.core.policy.decision import (
+    Decision,
+    PolicyInput,
+    last_change,
+    make_decision,
+    rank_text,
+)
+from rankguard_operator.core.policy.tunables import (
+    KNOBS,
+    T_CUDA_OOM,
+    T_ENGINE_ERROR,
+    T_KV_TOO_SMALL,
+    T_OOM_KILLED,
+    T_ROLLOUT_FAILED,
+    UNKNOWN_DEFICIT_FRACTION,
+    UNKNOWN_DEFICIT_MIN_BYTES,
+    VPA_MIN_BUMP_BYTES,
+)
+from rankguard_operator.core.units import MiB, format_bytes
+
+
+def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    ooms = [t for t in rel if t.kind == CUDA_OOM]
+    if not ooms:
+        return None
+    cur = inp.current
+    assert cur is not None
+    keys = [t.key for t in ooms]
+    # the worst failure decides: the largest stated deficit, else the first
+    worst = max(ooms, key=lambda t: -1 if t.deficit_bytes is None else t.deficit_bytes)
+    what = f"{rank_text(worst.rank)} ran out of GPU memory in pod {worst.pod_name}"
+    if worst.requested_bytes is not None and worst.free_bytes is not None:
+        what += (
+            f" (tried to allocate {format_bytes(worst.requested_bytes)} with "
+            f"{format_bytes(worst.free_bytes)} free)"
+        )
+    margin = inp.spec.memory.safety_margin_bytes
+    if inp.spec.memory.pinned:
+        need = (worst.deficit_bytes or 0) + margin
+        return make_decision(
+            inp,
+            "degrade",
+            cur,
+            trigger=T_CUDA_OOM,
+            reason="PinnedBudgetOOM",
+            message=f"{what} under the pinned KV budget {cur.budget_text()}; rankguard never changes "
+            f"spec.memory.kvCacheMemoryBytes: lower it by at least {format_bytes(need)}, or remove "
+            f"it to let rankguard "
+            "manage the budget",
+            rank=worst.rank,
+            handled=keys,
+        )
+    eff = effective_budget(inp, worst, worst.rank)
+    if eff is None:
+        return make_decision(
+            inp,
+            "degrade",
+            cur,
+            trigger=T_CUDA_OOM,
+            reason="NoBudgetToConvert",
+            message=(
+                f"{what} under {cur.describe()}, and rankguard cannot tell the KV budget that was in effect; "
+                "set spec.memory.gpuMemoryBytes (so rankguard can plan) or spec.memory.kvCacheMemoryBytes"
+            ),
+            rank=worst.rank,
+            handled=keys,
+        )
+    base, base_text = eff
+    deficit = worst.deficit_bytes
+    if deficit is None:
+        deficit = max(UNKNOWN_DEFICIT_MIN_BYTES, int(base * UNKNOWN_DEFICIT_FRACTION))
+        how = (
+            f" (the message gave no figures: {format_bytes(deficit)} assumed, plus the "
+            f"{format_bytes(margin)} safety margin)"
+        )
+    else:
+        how = f" (deficit {format_bytes(deficit)} plus the {format_bytes(margin)} safety margin)"
+    if cur.kv_cache_memory_bytes is None:
+        how += f"; switching from gpu-memory-utilization to bytes, starting from {base_text}"
+    return budget_change(
+        inp,
+        "shrink",
+        base - deficit - margin,
+        base,
+        trigger=T_CUDA_OOM,
+        why=what,
+        rank=worst.rank,
+        handled=keys,
+        how=how,
+    )
+
+
+def rule_kv_too_small(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    ts = [t for t in rel if t.kind == KV_CACHE_TOO_SMALL]
+    if not ts:
+        return None
+    cur, spec, plan = inp.current, inp.spec, inp.plan
+    assert cur is not None
+    t = ts[0]
+    keys = [x.key for x in ts]
+    floor = kv_floor(spec, plan)
+    what = (
+        f"vLLM refused to start in pod {t.pod_name}: the KV budget ({cur.describe()}) cannot hold one "
+        "request of maxModelLen"
+    )
+    if (
+        cur.kv_cache_memory_bytes is None
+        and not spec.memory.pinned
+        and plan is not None
+        and plan.kv_cache_memory_bytes >= floor
+    ):
+        return budget_change(
+            inp,
+            "replan",
+            plan.kv_cache_memory_bytes,
+            utilization_base(plan, cur),
+            trigger=T_KV_TOO_SMALL,
+            why=what,
+            rank=plan.bottleneck_rank,
+            handled=keys,
+            how=" (the planned explicit budget, which fits one request)",
+        )
+    pinned = " or raise spec.memory.kvCacheMemoryBytes" if spec.memory.pinned else ""
+    return make_decision(
+        inp,
+        "degrade",
+        cur,
+        trigger=T_KV_TOO_SMALL,
+        reason="KVCacheTooSmall",
+        message=f"{what} (rankguard's floor is {format_bytes(floor)}); to fix: {KNOBS}{pinned}",
+        rank=t.rank,
+        handled=keys,
+    )
+
+
+def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    ks = [t for t in rel if t.kind == OOM_KILLED]
+    if not ks:
+        return None
+    cur, spec = inp.current, inp.spec
+    assert cur is not None
+    keys = [t.key for t in ks]
+    t = ks[0]
+    old = cur.memory_limit_bytes if cur.memory_limit_bytes is not None else spec.resources.memory_limit_bytes
+    if old is None:
+        return make_decision(
+            inp,
+            "degrade",
+            cur,
+            trigger=T_OOM_KILLED,
+            reason="NoMemoryLimit",
+            message=(
+                f"pod {t.pod_name} was OOMKilled without a container memory limit, so the node itself ran "
+                "out of memory; set spec.resources.requests.memory and spec.resources.limits.memory so the "
+                "scheduler reserves enough host memory"
+            ),
+            handled=keys,
+        )
+    ratio = spec.remediation.host_memory_bump_ratio
+    bumped = max(old + VPA_MIN_BUMP_BYTES, math.ceil(old * ratio))
+    new = -(-bumped // MiB) * MiB  # whole MiB: a readable quantity
+    caps = [(c, n) for c, n in (
+        (spec.remediation.max_host_memory_bytes, "spec.remediation.maxHostMemory"),
+        (inp.node_memory_bytes, "the node's allocatable memory"),
+    ) if c is not None]  # fmt: skip
+    cap_note = ""
+    if caps:
+        cap, cap_name = min(caps, key=lambda c: c[0])
+        if old >= cap:
+            return make_decision(
+                inp,
+                "degrade",
+                cur,
+                trigger=T_OOM_KILLED,
+                reason="MemoryLimitAtCap",
+                message=(
+                    f"pod {t.pod_name} was OOMKilled at the container memory limit "
+                    f"{format_bytes(old)}, which is "
+                    f"already at the cap {format_bytes(cap)} ({cap_name}); raise "
+                    f"spec.remediation.maxHostMemory (on "
+                    "nodes with more memory), or lower host-memory use (spec.engine.maxNumSeqs, fewer "
+                    "CPU-side caches)"
+                ),
+                handled=keys,
+            )
+        if new > cap:
+            new, cap_note = cap, f", capped at {format_bytes(cap)} ({cap_name})"
+    return make_decision(
+        inp,
+        "raise-memory-limit",
+        cur.with_memory_limit(new),
+        trigger=T_OOM_KILLED,
+        reason="RaisedMemoryLimit",
+        message=(
+            f"pod {t.pod_name} was OOMKilled at the container memory limit {format_bytes(old)}; "
+            f"raising it to "
+            f"{format_bytes(new)} (max(+100Mi, ×{ratio:g}), as the VPA does{cap_note})"
+        ),
+        handled=keys,
+    )
+
+
+def rule_rollout_failed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    r = inp.rollout
+    if r is None or not r.failed:
+        return None
+    cur, lkg = inp.current, inp.last_known_good
+    assert cur is not None
+    what = f"the rollout of {cur.describe()} did not finish ({r.reason}: {r.message})"
+    if lkg is not None and lkg != cur:
+        return make_decision(
+            inp,
+            "rollback",
+            lkg,
+            trigger=T_ROLLOUT_FAILED,
+            reason="RolledBack",
+            message=f"{what}; rolling back to the last known good flags: {lkg.describe()}",
+        )
+    return make_decision(
+        inp,
+        "degrade",
+        cur,
+        trigger=T_ROLLOUT_FAILED,
+        reason="RolloutFailed",
+        message=(
+            f"{what}, and there are no other known-good flags to roll back to; this is not a memory problem "
+            "rankguard can fix: check the pods' events and logs (image, scheduling, GPUs, engine errors)"
+        ),
+    )
+
+
+def engine_error_actionable(inp: PolicyInput, t: Termination) -> bool:
+    """An engine error that a rollback may fix: flags changed since last-known-good, and the
+    error happened after the latest change."""
+    cur, lkg = inp.current, inp.last_known_good
+    if lkg is None or lkg == cur:
+        return False
+    last = last_change(inp.history)
+    return last is None or t.finished_at is None or t.finished_at >= last.time
+
+
+def rule_engine_error(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    cur, lkg = inp.current, inp.last_known_good
+    assert cur is not None
+    errs = [t for t in rel if t.kind == ENGINE_ERROR and engine_error_actionable(inp, t)]
+    if not errs or lkg is None:
+        return None
+    t = errs[0]
+    return make_decision(
+        inp,
+        "rollback",
+        lkg,
+        trigger=T_ENGINE_ERROR,
+        reason="RolledBack",
+        message=(
+            f"vLLM exited with an engine error in pod {t.pod_name} (exit code {t.exit_code}: "
+            f"{t.message[:200]}) after the change to {cur.describe()}; rolling back to the last known good "
+            f"flags: {lkg.describe()}"
+        ),
+        rank=t.rank,
+        handled=[x.key for x in errs],
+    )

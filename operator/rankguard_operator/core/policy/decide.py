@@ -1,0 +1,125 @@
+"""`decide`: the rules in order, the first that applies wins, then the guard rails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from rankguard_operator.core.budget import budget_key
+from rankguard_operator.core.observe import (
+    CUDA_OOM,
+    ENGINE_ERROR,
+    KV_CACHE_TOO_SMALL,
+    OOM_KILLED,
+    Termination,
+)
+from rankguard_operator.core.policy.crash_rules import (
+    engine_error_actionable,
+    rule_cuda_oom,
+    rule_engine_error,
+    rule_kv_too_small,
+    rule_oom_killed,
+    rule_rollout_failed,
+)
+from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision, superseded
+from rankguard_operator.core.policy.guard import guard
+from rankguard_operator.core.policy.headroom_rules import (
+    rule_headroom_worse,
+    rule_low_headroom,
+    rule_reclaim,
+    rule_replan,
+)
+from rankguard_operator.core.policy.initial import initial_decision
+from rankguard_operator.core.policy.tunables import (
+    LOW_HEADROOM_SUSTAIN_SECONDS,
+    T_INITIAL,
+    T_LOW_HEADROOM,
+    T_SPEC_CHANGED,
+)
+from rankguard_operator.core.units import format_bytes
+
+
+def steady(inp: PolicyInput) -> Decision:
+    cur = inp.current
+    assert cur is not None
+    obs = inp.observation
+    b = obs.bottleneck if obs is not None else None
+    minimum = inp.spec.memory.min_headroom_bytes
+    if b is None:
+        return make_decision(
+            inp,
+            "none",
+            cur,
+            trigger="NoData",
+            reason="NoFreshData",
+            message=f"no fresh agent report; running {cur.describe()}",
+        )
+    if b.min_free_bytes < minimum and inp.low_headroom_since is not None:
+        return make_decision(
+            inp,
+            "none",
+            cur,
+            trigger=T_LOW_HEADROOM,
+            reason="LowHeadroom",
+            message=f"rank {b.rank} has {format_bytes(b.min_free_bytes)} headroom, below the minimum "
+            f"{format_bytes(minimum)} for "
+            f"{inp.now - inp.low_headroom_since:.0f}s; rankguard shrinks after "
+            f"{LOW_HEADROOM_SUSTAIN_SECONDS:.0f}s",
+            rank=b.rank,
+        )
+    return make_decision(
+        inp,
+        "none",
+        cur,
+        trigger="Steady",
+        reason="Stable",
+        message=f"running {cur.describe()}; bottleneck rank {b.rank} has "
+        f"{format_bytes(b.min_free_bytes)} headroom "
+        f"(minimum {format_bytes(minimum)})",
+        rank=b.rank,
+    )
+
+
+RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ...] = (
+    rule_cuda_oom,
+    rule_kv_too_small,
+    rule_oom_killed,
+    rule_rollout_failed,
+    rule_engine_error,
+    rule_headroom_worse,
+    rule_low_headroom,
+    rule_replan,
+    rule_reclaim,
+)
+
+
+def decide(inp: PolicyInput) -> Decision:
+    """The one decision for this moment. Deterministic; see the module docstring for the rules."""
+    cur = inp.current
+    if cur is None:
+        return initial_decision(inp, T_INITIAL)
+    if inp.budget_key is not None and inp.budget_key != budget_key(inp.spec):
+        return initial_decision(inp, T_SPEC_CHANGED)
+
+    superseded_keys = [t.key for t in inp.new_terminations if superseded(t, cur)]
+    rel = [t for t in inp.new_terminations if not superseded(t, cur)]
+    actionable_kinds = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED, ENGINE_ERROR)
+    # Normal stops (rollouts, scale-down) are only recorded as seen, and so are engine errors
+    # that no rollback can fix (nothing changed since the flags were known good, or the error
+    # came before the latest change).
+    ignorable = [
+        t.key
+        for t in rel
+        if t.kind not in actionable_kinds or (t.kind == ENGINE_ERROR and not engine_error_actionable(inp, t))
+    ]
+
+    decision: Decision | None = None
+    for rule in RULES:
+        decision = rule(inp, rel)
+        if decision is not None:
+            break
+    if decision is None:
+        decision = steady(inp)
+    decision = guard(inp, decision)
+    handled = tuple(dict.fromkeys([*superseded_keys, *ignorable, *decision.handled]))
+    return replace(decision, handled=handled)

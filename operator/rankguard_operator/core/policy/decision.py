@@ -1,0 +1,124 @@
+"""The policy's input and output, and the small helpers every rule uses to build a decision."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import Observation
+from rankguard_operator.core.history import Remediation
+from rankguard_operator.core.observe import OOM_KILLED, RolloutState, Termination
+from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.spec import ServiceSpec
+
+Action = Literal[
+    "none", "initial", "shrink", "raise-memory-limit", "grow", "rollback", "degrade", "hold", "replan"
+]
+
+# --------------------------------------------------------------------------------------------
+# Input and output
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    spec: ServiceSpec
+    now: float
+    current: ServingFlags | None = None  # what the Deployment runs; None before the first render
+    last_known_good: ServingFlags | None = None
+    observation: Observation | None = None  # reports of pods running the current template
+    new_terminations: Sequence[Termination] = ()  # not yet handled (the caller dedups by key)
+    rollout: RolloutState | None = None
+    history: Sequence[Remediation] = ()
+    plan: Plan | None = None  # budget.initial_plan(spec, measured=...) or None
+    low_headroom_since: float | None = None  # track_low_headroom
+    ample_headroom_since: float | None = None  # track_ample_headroom
+    budget_key: str | None = None  # budget.budget_key(spec) when `current` was chosen; None: unknown
+    node_memory_bytes: int | None = None  # the node's allocatable memory, a cap for raising the limit
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    flags: ServingFlags  # the flags to run after this decision
+    trigger: str
+    reason: str  # CamelCase, for Events and Conditions
+    message: str  # a sentence with the numbers, naming the knob when rankguard cannot fix it
+    rank: int | None = None
+    from_flags: ServingFlags | None = None  # the flags before (inp.current)
+    handled: tuple[str, ...] = ()  # termination keys this decision accounts for
+    retry_after: float | None = None  # seconds until a held action may go ahead
+    held_action: str | None = None  # for "hold": what would have been done
+
+    @property
+    def changes_flags(self) -> bool:
+        return self.flags != self.from_flags
+
+    @property
+    def is_remediation(self) -> bool:
+        """A flag change rankguard made on its own (goes into the history, counts for cooldown)."""
+        return self.changes_flags and self.action not in ("initial", "hold", "none")
+
+    def remediation(self, time: float, revision: str | int | None = None) -> Remediation:
+        return Remediation(
+            time=time,
+            trigger=self.trigger,
+            action=self.action,
+            rank=self.rank,
+            from_flags=self.from_flags,
+            to_flags=self.flags,
+            revision=revision,
+            message=self.message,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def same_budget(a: ServingFlags, b: ServingFlags) -> bool:
+    return (
+        a.kv_cache_memory_bytes == b.kv_cache_memory_bytes
+        and a.gpu_memory_utilization == b.gpu_memory_utilization
+    )
+
+
+def superseded(t: Termination, current: ServingFlags) -> bool:
+    """The pod ran other flags than the current ones in the dimension this failure is about."""
+    if t.flags is None:
+        return False
+    if t.kind == OOM_KILLED:
+        return t.flags.memory_limit_bytes != current.memory_limit_bytes
+    return not same_budget(t.flags, current)
+
+
+def rank_text(rank: int | None) -> str:
+    return f"rank {rank}" if rank is not None else "a rank"
+
+
+def make_decision(
+    inp: PolicyInput,
+    action: Action,
+    flags: ServingFlags,
+    *,
+    trigger: str,
+    reason: str,
+    message: str,
+    rank: int | None = None,
+    handled: Sequence[str] = (),
+) -> Decision:
+    return Decision(
+        action=action,
+        flags=flags,
+        trigger=trigger,
+        reason=reason,
+        message=message,
+        rank=rank,
+        from_flags=inp.current,
+        handled=tuple(handled),
+    )
+
+
+def last_change(history: Sequence[Remediation]) -> Remediation | None:
+    return max(history, key=lambda h: h.time) if history else None

@@ -1,0 +1,55 @@
+"""The policy's tunables (each says why it has its value) and the names of its triggers."""
+
+from __future__ import annotations
+
+from rankguard_operator.core.units import MiB
+
+# --------------------------------------------------------------------------------------------
+# Tunables. Each says why it has the value it has.
+
+# Low headroom must persist this long before a shrink: the agent's figure is already the
+# minimum over its window, so one bad sample is not noise, but a single scrape can still
+# catch a one-off (e.g. a CUDA-graph capture right after start).
+LOW_HEADROOM_SUSTAIN_SECONDS = 60.0
+# Reclaim needs headroom to stay ample for a long, load-varied stretch before spending a roll.
+RECLAIM_AFTER_SECONDS = 1800.0
+RECLAIM_HEADROOM_FACTOR = 2  # "ample" = every rank >= 2 × minHeadroomBytes
+# A roll restarts a replica; changes smaller than this are not worth one (replan, reclaim).
+MIN_CHANGE_BYTES = 256 * MiB
+# How long after a grow a drop of the bottleneck below the minimum counts as the grow's fault.
+GROW_VERIFY_SECONDS = 900.0
+# Like the VPA, an OOM (or a regression) is remembered for a day: growing never goes back past
+# the budget it left during that time.
+BAD_BUDGET_MEMORY_SECONDS = 86400.0
+# A CUDA OOM message without figures (e.g. "CUDA error: out of memory"): shrink by this much.
+UNKNOWN_DEFICIT_MIN_BYTES = 256 * MiB
+UNKNOWN_DEFICIT_FRACTION = 0.05
+# Starting utilisation when no plan is possible yet (vLLM's own default is 0.92; a little lower
+# leaves room for the rank-skew that rankguard has not measured yet).
+DEFAULT_START_UTILIZATION = 0.9
+# The VPA's OOM bump: max(old + 100 MiB, old × ratio).
+VPA_MIN_BUMP_BYTES = 100 * MiB
+RATE_WINDOW_SECONDS = 3600.0
+
+# Triggers (the "why") and the CRD's action names for the history.
+T_INITIAL = "Initial"
+T_SPEC_CHANGED = "SpecChanged"
+T_CUDA_OOM = "CUDAOutOfMemory"
+T_KV_TOO_SMALL = "KVCacheTooSmall"
+T_OOM_KILLED = "OOMKilled"
+T_ROLLOUT_FAILED = "RolloutFailed"
+T_ENGINE_ERROR = "EngineError"
+T_HEADROOM_WORSE = "HeadroomWorse"
+T_LOW_HEADROOM = "LowHeadroom"
+T_MEASURED = "Measured"
+T_PLANNED = "Planned"
+T_RECLAIM = "Reclaim"
+T_COOLDOWN = "Cooldown"
+T_RATE_LIMIT = "RateLimit"
+T_DISABLED = "RemediationDisabled"
+T_FLOOR = "Floor"
+
+KNOBS = (
+    "lower spec.engine.maxModelLen or spec.engine.maxNumSeqs, raise spec.tensorParallelSize, "
+    "set spec.engine.kvCacheDtype: fp8, or use GPUs with more memory"
+)

@@ -1,0 +1,424 @@
+"""One reconcile step of an LLMService, as a pure function: `step(state, world) -> Step`.
+
+`state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
+is what the edge observed for this pass (the spec, the Deployment, the pods, the agents'
+reports, the clock, and the id a new remediation would carry). The result is the next state
+and the effects, as values, in the order the edge must carry them out:
+
+    WriteIntent -> ApplyDeployment -> PostEvent -> ApplyService -> WriteStatus
+
+Restart safety is a property of this order and of `step` reading only persisted state: a
+remediation writes its intent (`status.pendingRemediation`, with the history record) before
+the roll, the roll stamps the intent's id on the Deployment, and a later step that finds the
+intent rolls only when the Deployment does not carry that id, then records the history entry
+if the dead pass had not. The remediation's Event is named after the id, so posting it again
+after a restart is a no-op. Terminations are deduplicated by pod uid / container / run number
+in `status.handledTerminations`.
+
+The plan is computed here once per step (the spec's prior plan for rendering, the measured
+plan for the policy and status); nothing downstream plans again.
+
+Pure: no I/O, no clock (`world.now`), deterministic.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rankguard_agent.report import Report
+from rankguard_operator.core import observe, policy, render, status
+from rankguard_operator.core.budget import budget_key, measured_plan, prior_plan
+from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.effects import (
+    ApplyDeployment,
+    ApplyService,
+    Effect,
+    PostEvent,
+    WriteIntent,
+    WriteStatus,
+)
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import aggregate
+from rankguard_operator.core.history import history_from_status
+from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
+from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.service_state import PendingRemediation, ServiceState
+from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+
+# What callers use through this module (the step's inputs, outputs and effects).
+__all__ = [
+    "ApplyDeployment",
+    "ApplyService",
+    "Effect",
+    "PendingRemediation",
+    "PostEvent",
+    "ReportInput",
+    "ServiceState",
+    "Settings",
+    "Step",
+    "World",
+    "WriteIntent",
+    "WriteStatus",
+    "after_apply",
+    "invalid_spec",
+    "iso",
+    "merge_keys",
+    "remediation_id_of",
+    "scrape_targets",
+    "step",
+    "with_intent",
+]
+
+HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator was configured with that a step needs (built once at start-up)."""
+
+    agent_image: str
+    stale_after: float = 30.0  # seconds after which an agent report is too old to act on
+
+
+ReportInput = tuple[str, Report, float]  # (pod name, validated report, received at)
+
+
+@dataclass(frozen=True)
+class World:
+    """What the edge observed for one pass."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]  # the LLMService's spec as stored (the API server defaulted it)
+    now: float
+    new_id: str  # the id a remediation decided in this step will carry (the edge makes it)
+    deployment: Mapping[str, Any] | None = None
+    pods: Sequence[Mapping[str, Any]] = ()
+    reports: Sequence[ReportInput] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    state: ServiceState  # the state after every effect has been carried out
+    effects: tuple[Effect, ...]
+    decision: policy.Decision | None = None  # None when the spec was refused
+    phase: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_keys(keys: Sequence[str], more: Sequence[str]) -> tuple[str, ...]:
+    """`keys` + the new ones of `more`, in order, the newest HANDLED_LIMIT kept."""
+    out = list(keys)
+    for k in more:
+        if k not in out:
+            out.append(k)
+    return tuple(out[-HANDLED_LIMIT:])
+
+
+def remediation_id_of(deployment: Mapping[str, Any] | None) -> str | None:
+    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+    v = annotations.get(REMEDIATION_ID_ANNOTATION)
+    return v if isinstance(v, str) else None
+
+
+def after_apply(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> dict[str, Any]:
+    """The Deployment as the API server will hold it right after `applied` lands: its spec and
+    metadata, the live status, and a new generation when the spec changed, which the
+    controller has not observed yet (so the rollout reads as progressing)."""
+    live_meta = (live or {}).get("metadata") or {}
+    live_gen = live_meta.get("generation")
+    gen = live_gen if isinstance(live_gen, int) else 0
+    if live is None or live.get("spec") != applied.get("spec"):
+        gen += 1
+    return {
+        **applied,
+        "metadata": {**applied.get("metadata", {}), "generation": gen},
+        "status": dict((live or {}).get("status") or {}),
+    }
+
+
+def _same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], replicas: int) -> bool:
+    """The live Deployment already runs what we would render (the hash covers the template)."""
+    if live is None:
+        return False
+    live_replicas = (live.get("spec") or {}).get("replicas")
+    return observe.deployment_template_hash(live) == observe.deployment_template_hash(want) and (
+        live_replicas == replicas
+    )
+
+
+def scrape_targets(
+    world_spec: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, int]]:
+    """(pod, IP, agent port) of the pods worth scraping: ready, with an IP, created from the
+    template the Deployment holds now. `step` keeps only the reports of the template it wants,
+    so this is an economy, not a decision. Empty when the spec cannot be read."""
+    try:
+        port = parse_spec(world_spec).agent.port
+    except SpecError:
+        return []
+    live = observe.deployment_template_hash(deployment)
+    out = []
+    for p in pods:
+        ip = observe.pod_ip(p)
+        if ip and observe.pod_ready(p) and live is not None and observe.carried_template_hash(p) == live:
+            out.append((str(p["metadata"]["name"]), ip, port))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The step
+
+
+def step(state: ServiceState, world: World, settings: Settings) -> Step:
+    """One pass: finish a pending remediation, observe, decide, act, report."""
+    try:
+        spec = parse_spec(world.spec)
+        prior = prior_plan(spec)
+    except SpecError as e:
+        return invalid_spec(state, world, str(e))
+    return _Pass(state, world, settings, spec, prior).run()
+
+
+class _Pass:
+    """The working variables of one step, so the step reads top to bottom as the loop does."""
+
+    def __init__(
+        self, state: ServiceState, world: World, settings: Settings, spec: ServiceSpec, prior: Plan | None
+    ) -> None:
+        self.state, self.world, self.settings, self.spec, self.prior = state, world, settings, spec, prior
+        self.effects: list[Effect] = []
+        self.deployment = world.deployment
+        self.current = state.serving_flags
+        self.handled = state.handled
+        self.history: list[dict[str, Any]] = [dict(h) for h in state.history]
+        self.updates: dict[str, Any] = {}
+        # The status as stored at this point of the step (the intent changes it mid-step); the
+        # final patch is computed against this, so it also clears the intent it follows.
+        self.stored: dict[str, Any] = dict(state.raw)
+
+    def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
+        w = self.world
+        return render.render_deployment(
+            w.name,
+            w.namespace,
+            w.uid,
+            self.spec,
+            flags,
+            agent_image=self.settings.agent_image,
+            plan=self.prior,
+            revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
+        )
+
+    def apply(self, body: dict[str, Any], **kw: Any) -> None:
+        self.effects.append(ApplyDeployment(body, **kw))
+        self.deployment = after_apply(self.deployment, body)
+
+    # 1. ------------------------------------------------------------------------------------
+    def finish_pending(self) -> None:
+        """Finish what a previous pass decided (maybe before a restart): exactly once."""
+        pending = self.state.pending
+        if pending is None:
+            return
+        target = pending.to_flags
+        if target is not None and remediation_id_of(self.deployment) != pending.id:
+            self.apply(self.render(target, pending.id))
+        record = pending.record
+        if record is not None and not any(h.get("revision") == pending.id for h in self.history):
+            # The pass that decided this died before writing its history: write it now. Its
+            # Event is named after the id, so it is posted once whoever gets there first.
+            self.history = status.append_history(self.history, record)
+            self.effects.append(
+                PostEvent(
+                    "Warning",
+                    "RemediationResumed",
+                    str(record.get("message") or ""),
+                    name=pending.id,
+                )
+            )
+        self.current = target or self.current
+        self.handled = merge_keys(self.handled, pending.terminations)
+        self.updates["pendingRemediation"] = None
+
+    # 2-5. ----------------------------------------------------------------------------------
+    def run(self) -> Step:
+        w, spec, state = self.world, self.spec, self.state
+        self.finish_pending()
+
+        # 2. Observe. Only pods of the template in effect speak for the current flags.
+        current_hash = observe.deployment_template_hash(self.render(self.current)) if self.current else None
+        pods_now = {
+            str(p["metadata"]["name"])
+            for p in w.pods
+            if observe.pod_ready(p) and observe.carried_template_hash(p) == current_hash
+        }
+        reports = [r for r in w.reports if r[0] in pods_now]
+        observation = aggregate(reports, w.now, self.settings.stale_after)
+        fresh_terms = observe.new_terminations(w.pods, set(self.handled))
+        rollout = observe.rollout_state(self.deployment, current_hash or "") if self.deployment else None
+        low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
+        ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
+        try:
+            plan = measured_plan(spec, observation)
+        except SpecError as e:
+            return invalid_spec(state, w, str(e))
+        decision = policy.decide(
+            policy.PolicyInput(
+                spec=spec,
+                now=w.now,
+                current=self.current,
+                last_known_good=state.last_known_good,
+                observation=observation,
+                new_terminations=fresh_terms,
+                rollout=rollout,
+                history=history_from_status(self.history),
+                plan=plan,
+                low_headroom_since=low_since,
+                ample_headroom_since=ample_since,
+                budget_key=state.budget_key if self.current is not None else None,
+            )
+        )
+        self.handled = merge_keys(self.handled, decision.handled)
+
+        # 3. Act.
+        if self.current is None:
+            self.current = decision.flags  # the first render: nothing to roll back from
+            self.effects.append(PostEvent("Normal", decision.reason, decision.message, repeat=True))
+        elif decision.changes_flags:
+            rid = w.new_id
+            record = decision.remediation(w.now, revision=rid) if decision.is_remediation else None
+            intent = PendingRemediation(
+                id=rid,
+                kind=decision.action,
+                started_at=iso(w.now),
+                from_flags=self.current,
+                to_flags=decision.flags,
+                terminations=decision.handled,
+                record=None if record is None else record.to_status(),
+            )
+            # The intent first: a crash between here and the roll is finished by the next step.
+            self.effects.append(WriteIntent(intent.to_status()))
+            self.stored["pendingRemediation"] = intent.to_status()
+            self.apply(
+                self.render(decision.flags, rid),
+                remediation_id=rid if record is not None else None,
+                action=decision.action,
+                trigger=decision.trigger,
+            )
+            if record is not None:
+                self.history = status.append_history(self.history, record)
+            kind: Literal["Normal", "Warning"] = (
+                "Normal" if decision.action in ("grow", "replan") else "Warning"
+            )
+            self.effects.append(PostEvent(kind, decision.reason, decision.message, name=rid))
+            self.current = decision.flags
+            self.updates["pendingRemediation"] = None
+            low_since, ample_since = None, None  # a new revision starts its own headroom clocks
+        elif decision.action in ("degrade", "hold") and decision.message:
+            self.effects.append(PostEvent("Warning", decision.reason, decision.message, repeat=True))
+
+        # 4. Keep the Deployment and Service as rendered. Server-side apply is idempotent; it is
+        #    skipped when the live template already carries what we would render.
+        want = self.render(self.current)
+        if not _same_template(self.deployment, want, spec.replicas):
+            self.apply(want)
+        rollout = observe.rollout_state(self.deployment, observe.deployment_template_hash(want) or "")
+        if not state.service_applied or w.generation != state.observed_generation:
+            self.effects.append(ApplyService(render.render_service(w.name, w.namespace, w.uid, spec)))
+
+        # 5. Report (written only when something changed).
+        ready = int(((self.deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+        lkg = policy.next_last_known_good(
+            state.last_known_good,
+            self.current,
+            spec=spec,
+            rollout=rollout,
+            observation=observation,
+            terminations=fresh_terms,
+        )
+        new_status = status.build_status(
+            old=state.raw,
+            spec=spec,
+            generation=w.generation,
+            now_iso=iso(w.now),
+            observation=observation,
+            flags=self.current,
+            last_known_good=lkg,
+            plan=plan,
+            prior=self.prior,
+            decision=decision,
+            rollout=rollout,
+            ready_replicas=ready,
+            history=self.history,
+        )
+        new_status.update(self.updates)
+        new_status.update(
+            {
+                "servingFlags": self.current.to_status(),
+                "budgetKey": budget_key(spec),
+                "handledTerminations": list(self.handled),
+                "lowHeadroomSince": low_since,
+                "ampleHeadroomSince": ample_since,
+                "serviceApplied": True,
+            }
+        )
+        patch = status.status_patch(self.stored, new_status)
+        if patch is not None:
+            self.effects.append(WriteStatus(patch))
+        next_state = ServiceState.from_status(_merged(self.stored, new_status))
+        return Step(next_state, tuple(self.effects), decision, str(new_status.get("phase") or ""))
+
+
+def invalid_spec(state: ServiceState, world: World, message: str) -> Step:
+    """A spec rankguard cannot serve: say why on the object and touch nothing else."""
+    when = iso(world.now)
+    conditions = list(state.raw.get("conditions") or [])
+    for cond in (Condition.DEGRADED, Condition.READY):
+        conditions = set_condition(
+            conditions,
+            cond,
+            "True" if cond is Condition.DEGRADED else "False",
+            "InvalidSpec",
+            message,
+            when,
+            world.generation,
+        )
+    new = {"phase": Phase.FAILED.value, "observedGeneration": world.generation, "conditions": conditions}
+    effects: list[Effect] = [PostEvent("Warning", "InvalidSpec", message, repeat=True)]
+    patch = status.status_patch(state.raw, new)
+    if patch is not None:
+        effects.append(WriteStatus(patch))
+    next_state = ServiceState.from_status(_merged(state.raw, new))
+    return Step(next_state, tuple(effects), None, Phase.FAILED.value)
+
+
+def _merged(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`old` with the top-level fields of `new` written over it (None removes a field): the
+    status as stored after a merge patch that rankguard built from `new`."""
+    out = dict(old)
+    for k, v in new.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def with_intent(state: ServiceState, pending: Mapping[str, Any]) -> ServiceState:
+    """The state as stored once a WriteIntent has landed."""
+    return ServiceState.from_status(_merged(state.raw, {"pendingRemediation": dict(pending)}))

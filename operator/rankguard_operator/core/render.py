@@ -1,0 +1,337 @@
+"""Renderers: an LLMService spec + the serving flags in effect -> the Deployment and Service.
+
+The output is plain dicts in the API's camelCase, ready for server-side apply with field
+manager `rankguard`: only the fields rendered here are owned by rankguard, so a person's
+edits to other fields survive. The agent is injected the way the OpenTelemetry operator
+injects auto-instrumentation: an init container copies the pure-Python agent into an
+emptyDir, and the vLLM container's command becomes
+`python3 -m rankguard_agent launch … -- vllm serve MODEL FLAGS…` (DESIGN §2 step 2).
+
+The pod template carries `rankguard.io/template-hash` (a hash of everything else in the
+template) so the caller can tell a real change from a re-render of the same thing, and
+`rankguard.io/serving-flags` so a terminated pod says which budget it ran with.
+
+The caller plans once per pass and hands the spec's prior plan in: it sizes the start-up
+utilisation rendered next to a byte budget and the agent's probe collectives.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from rankguard_operator.core.budget import startup_utilization
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.models import ModelError, ModelShape, resolve_model
+from rankguard_operator.core.names import (
+    AGENT_INIT_CONTAINER,
+    AGENT_MOUNT_PATH,
+    AGENT_VOLUME,
+    FLAGS_ANNOTATION,
+    GPU_RESOURCE,
+    SHM_VOLUME,
+    TEMPLATE_HASH_ANNOTATION,
+    TERMINATION_LOG,
+    VLLM_CONTAINER,
+    VLLM_HTTP_PORT,
+    labels,
+    owner_reference,
+    selector,
+    service_name,
+)
+from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.units import format_quantity
+
+# Loading a 70B-405B model and capturing CUDA graphs can take many minutes; the startup probe
+# must not kill it (30 min here), and the Deployment's progress deadline must outlast the
+# startup probe plus the agent's own probe (300 s by default), or every slow start would be
+# reported as a failed rollout and rolled back.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURE_THRESHOLD = 180
+PROGRESS_DEADLINE_SECONDS = STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURE_THRESHOLD + 600
+
+# --------------------------------------------------------------------------------------------
+# vLLM and agent command lines
+
+
+def _util_text(u: float) -> str:
+    # repr round-trips a float exactly and prints 0.92 as "0.92"
+    return repr(float(u))
+
+
+def vllm_args(spec: ServiceSpec, flags: ServingFlags, plan: Plan | None) -> list[str]:
+    """Arguments after `vllm`: `serve MODEL` and every flag rankguard owns, then extraArgs.
+
+    The byte budget wins when known: with `--kv-cache-memory-bytes` vLLM sizes the KV cache
+    from it alone. A utilisation is still rendered next to it for vLLM's start-up check
+    (budget.startup_utilization over the spec's prior `plan`), so a small card under TP is
+    not refused at start."""
+    e = spec.engine
+    args = ["serve", spec.model.name, "--tensor-parallel-size", str(spec.tp)]
+    if spec.pp > 1:
+        args += ["--pipeline-parallel-size", str(spec.pp)]
+    if flags.kv_cache_memory_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(flags.kv_cache_memory_bytes)]
+        startup = startup_utilization(plan, flags.kv_cache_memory_bytes)
+        if startup is not None:
+            args += ["--gpu-memory-utilization", _util_text(startup)]
+    elif flags.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", _util_text(flags.gpu_memory_utilization)]
+    args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    args += [
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--block-size",
+        str(e.block_size),
+        "--dtype",
+        e.dtype,
+        "--kv-cache-dtype",
+        e.kv_cache_dtype,
+    ]
+    if e.enforce_eager:
+        args.append("--enforce-eager")
+    args += ["--host", "$(POD_IP)", "--port", str(VLLM_HTTP_PORT)]
+    return args + list(e.extra_args)
+
+
+def _probe_shape(spec: ServiceSpec, plan: Plan | None) -> ModelShape | None:
+    if plan is not None:
+        return plan.inputs.shape
+    if spec.model.config_map is not None:
+        return None  # only the caller can read the ConfigMap; the agent's defaults apply
+    try:
+        return resolve_model(spec.model.name, spec.model.shape)
+    except ModelError:
+        return None
+
+
+def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:
+    """`python3 -m rankguard_agent launch …` up to (not including) the `--` separator."""
+    args = [
+        "python3",
+        "-m",
+        "rankguard_agent",
+        "launch",
+        "--port",
+        str(spec.agent.port),
+        "--host",
+        "$(POD_IP)",
+        "--termination-log",
+        TERMINATION_LOG,
+        "--hz",
+        f"{spec.agent.sample_hz:g}",
+    ]
+    if spec.agent.probe:
+        args += ["--probe", "--probe-world-size", str(spec.world_size)]
+        s = _probe_shape(spec, plan)
+        if s is not None:
+            # the warm-up collectives are sized like the model's (DESIGN §2 step 3a)
+            args += ["--probe-hidden-size", str(s.hidden_size), "--probe-vocab-size", str(s.vocab_size)]
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Deployment and Service
+
+
+def _resources(spec: ServiceSpec, flags: ServingFlags) -> dict[str, Any]:
+    gpus = str(spec.world_size)
+    requests: dict[str, str] = {GPU_RESOURCE: gpus}
+    limits: dict[str, str] = {GPU_RESOURCE: gpus}
+    r = spec.resources
+    if r.cpu_request is not None:
+        requests["cpu"] = r.cpu_request
+    if r.cpu_limit is not None:
+        limits["cpu"] = r.cpu_limit
+    mem_limit = flags.memory_limit_bytes if flags.memory_limit_bytes is not None else r.memory_limit_bytes
+    mem_request = r.memory_request_bytes
+    if mem_request is not None and mem_limit is not None and mem_request > mem_limit:
+        # Kubernetes refuses request > limit; a limit set by remediation only ever rises, but a
+        # hand-edited status could say otherwise, and the pod must still be valid.
+        mem_request = mem_limit
+    if mem_request is not None:
+        requests["memory"] = format_quantity(mem_request)
+    if mem_limit is not None:
+        limits["memory"] = format_quantity(mem_limit)
+    return {"requests": requests, "limits": limits}
+
+
+def _env(name: str) -> list[dict[str, Any]]:
+    def field_ref(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    return [
+        {"name": "PYTHONPATH", "value": AGENT_MOUNT_PATH},
+        # NVML enumerates in PCI bus order, CUDA "fastest first" by default: make them agree,
+        # so rank i's figures are read from the GPU rank i actually uses.
+        {"name": "CUDA_DEVICE_ORDER", "value": "PCI_BUS_ID"},
+        {"name": "POD_IP", "valueFrom": field_ref("status.podIP")},
+        {"name": "POD_NAME", "valueFrom": field_ref("metadata.name")},
+        {"name": "POD_NAMESPACE", "valueFrom": field_ref("metadata.namespace")},
+        {"name": "RANKGUARD_LLMSERVICE", "value": name},
+    ]
+
+
+def _health_probe(period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+_RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_spec(
+    name: str, spec: ServiceSpec, flags: ServingFlags, agent_image: str, plan: Plan | None
+) -> dict[str, Any]:
+    vllm = {
+        "name": VLLM_CONTAINER,
+        "image": spec.image,
+        "command": [*agent_args(spec, plan), "--", "vllm", *vllm_args(spec, flags, plan)],
+        "env": _env(name),
+        "ports": [
+            {"name": "http", "containerPort": VLLM_HTTP_PORT, "protocol": "TCP"},
+            {"name": "agent", "containerPort": spec.agent.port, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec, flags),
+        "volumeMounts": [
+            {"name": AGENT_VOLUME, "mountPath": AGENT_MOUNT_PATH, "readOnly": True},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        ],
+        # The launcher writes a JSON termination message (rank, bytes requested/free); if it
+        # could not, the log tail is the next best evidence.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "readinessProbe": _health_probe(2, 3, 2),
+        "startupProbe": _health_probe(STARTUP_PROBE_PERIOD_SECONDS, STARTUP_PROBE_FAILURE_THRESHOLD, 5),
+        # No livenessProbe: when the engine dies vLLM exits, the launcher exits with it and the
+        # kubelet restarts the container; a liveness probe would only kill a busy, healthy engine.
+        # Not runAsNonRoot: the upstream vLLM images run as root, and GPU access needs no privilege.
+        "securityContext": dict(_RESTRICTED),
+    }
+    init = {
+        "name": AGENT_INIT_CONTAINER,
+        "image": spec.agent.image or agent_image,
+        "command": ["rankguard-agent-install", AGENT_MOUNT_PATH],
+        "volumeMounts": [{"name": AGENT_VOLUME, "mountPath": AGENT_MOUNT_PATH}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": {**_RESTRICTED, "readOnlyRootFilesystem": True},
+    }
+    return {
+        "automountServiceAccountToken": False,
+        # A Service named "vllm" in the namespace would inject VLLM_PORT=tcp://…, which vLLM
+        # reads as its own setting and fails on; service links serve no purpose here.
+        "enableServiceLinks": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": [init],
+        "containers": [vllm],
+        "volumes": [
+            {"name": AGENT_VOLUME, "emptyDir": {}},
+            # NCCL and vLLM's worker message queues use /dev/shm; the runtime default is 64 MiB.
+            # Memory-backed, so it counts toward the container memory limit.
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+
+
+def _canonical_json(doc: Any) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def template_hash(deployment: Mapping[str, Any]) -> str:
+    """Stable hash (16 hex digits) of a Deployment's pod template, ignoring the hash annotation
+    itself: equal for equal renders, different as soon as anything that would roll changes."""
+    template = copy.deepcopy(dict(deployment.get("spec", {}).get("template", {})))
+    meta = template.get("metadata") or {}
+    annotations = dict(meta.get("annotations") or {})
+    annotations.pop(TEMPLATE_HASH_ANNOTATION, None)
+    if meta:
+        template["metadata"] = {**meta, "annotations": annotations}
+    return hashlib.sha256(_canonical_json(template).encode()).hexdigest()[:16]
+
+
+def render_deployment(
+    name: str,
+    namespace: str,
+    owner_uid: str,
+    spec: ServiceSpec,
+    flags: ServingFlags,
+    *,
+    agent_image: str,
+    plan: Plan | None,
+    revision_annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The serving Deployment.
+
+    `plan` is the spec's prior plan (budget.prior_plan; None when the GPU size is not known
+    yet): it sizes the start-up utilisation and the agent's probe collectives.
+    `revision_annotations` go on the Deployment's own metadata (never the pod template), so
+    bookkeeping such as a remediation id never rolls the pods.
+    """
+    pod_labels = labels(name)
+    deployment: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": dict(pod_labels),
+            "ownerReferences": [owner_reference(name, owner_uid)],
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector(name)},
+            # maxSurge 0: a surge pod would need another tp×pp free GPUs, which a GPU cluster
+            # rarely has, so it would sit Pending and the roll would never progress. Replace in
+            # place, one pod at a time, instead.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "revisionHistoryLimit": 10,
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "template": {
+                "metadata": {
+                    "labels": dict(pod_labels),
+                    "annotations": {FLAGS_ANNOTATION: _canonical_json(flags.to_status())},
+                },
+                "spec": _pod_spec(name, spec, flags, agent_image, plan),
+            },
+        },
+    }
+    if revision_annotations:
+        deployment["metadata"]["annotations"] = dict(revision_annotations)
+    deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] = template_hash(
+        deployment
+    )
+    return deployment
+
+
+def render_service(name: str, namespace: str, owner_uid: str, spec: ServiceSpec) -> dict[str, Any]:
+    """ClusterIP Service for vLLM's OpenAI API (port 8000) and the agent's endpoints."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(name),
+            "namespace": namespace,
+            "labels": labels(name),
+            "ownerReferences": [owner_reference(name, owner_uid)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(name),
+            "ports": [
+                {"name": "http", "port": VLLM_HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "agent", "port": spec.agent.port, "targetPort": "agent", "protocol": "TCP"},
+            ],
+        },
+    }

@@ -1,0 +1,100 @@
+"""What an LLMService's `.status` carries from one operator pass to the next, typed.
+
+Status is written by rankguard, but a person can edit it: every reader here turns what it
+cannot use into "nothing" rather than an error, so a bad status never crashes a pass.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankguard_operator.core.flags import ServingFlags
+
+
+def _float(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True)
+class PendingRemediation:
+    """A flag change decided and written down, maybe not yet rolled (`status.pendingRemediation`)."""
+
+    id: str
+    kind: str
+    started_at: str
+    from_flags: ServingFlags | None
+    to_flags: ServingFlags | None
+    terminations: tuple[str, ...] = ()
+    record: Mapping[str, Any] | None = None  # the history entry to keep once it has rolled
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "startedAt": self.started_at,
+            "fromFlags": None if self.from_flags is None else self.from_flags.to_status(),
+            "toFlags": None if self.to_flags is None else self.to_flags.to_status(),
+            "terminations": list(self.terminations),
+            "record": None if self.record is None else dict(self.record),
+        }
+
+    @classmethod
+    def from_status(cls, doc: Any) -> PendingRemediation | None:
+        """None when there is none, or when it is unreadable (status can be edited by hand)."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("id"), str) or not doc["id"]:
+            return None
+        terms = doc.get("terminations")
+        record = doc.get("record")
+        return cls(
+            id=doc["id"],
+            kind=str(doc.get("kind") or ""),
+            started_at=str(doc.get("startedAt") or ""),
+            from_flags=ServingFlags.from_status(doc.get("fromFlags")),
+            to_flags=ServingFlags.from_status(doc.get("toFlags")),
+            terminations=tuple(t for t in terms if isinstance(t, str)) if isinstance(terms, list) else (),
+            record=dict(record) if isinstance(record, Mapping) else None,
+        )
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """The typed view of what `.status` carries between passes. `raw` is the status as read,
+    kept for the conditions' transition times and for writing only what changed."""
+
+    serving_flags: ServingFlags | None = None
+    last_known_good: ServingFlags | None = None
+    handled: tuple[str, ...] = ()
+    history: tuple[Mapping[str, Any], ...] = ()
+    pending: PendingRemediation | None = None
+    low_headroom_since: float | None = None
+    ample_headroom_since: float | None = None
+    budget_key: str | None = None
+    service_applied: bool = False
+    observed_generation: int | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_status(cls, doc: Mapping[str, Any] | None) -> ServiceState:
+        s = dict(doc or {})
+        handled = s.get("handledTerminations")
+        history = s.get("remediations")
+        gen = s.get("observedGeneration")
+        return cls(
+            serving_flags=ServingFlags.from_status(s.get("servingFlags")),
+            last_known_good=ServingFlags.from_status(s.get("lastKnownGood")),
+            handled=tuple(k for k in handled if isinstance(k, str)) if isinstance(handled, list) else (),
+            history=tuple(dict(h) for h in history if isinstance(h, Mapping))
+            if isinstance(history, list)
+            else (),
+            pending=PendingRemediation.from_status(s.get("pendingRemediation")),
+            low_headroom_since=_float(s.get("lowHeadroomSince")),
+            ample_headroom_since=_float(s.get("ampleHeadroomSince")),
+            budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
+            service_applied=s.get("serviceApplied") is True,
+            observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
+            raw=s,
+        )

@@ -1,0 +1,426 @@
+"""`ServiceSpec`: an LLMService's `spec`, parsed and checked, with the CRD's defaults applied.
+
+The API server already validates and defaults the spec (crds/llmservice.yaml, OpenAPI +
+CEL), but the operator must not trust that alone: it can run against an older CRD, and tests
+and the CLI build specs by hand. So `parse_spec` applies the same defaults and checks the same
+rules, plus one the CRD's regex cannot express exactly (extraArgs that fight the flags
+rankguard owns, in every spelling vLLM accepts). Every `SpecError` names the field and says
+what to change.
+
+Pure: no I/O (a ConfigMap holding config.json is read by the caller and passed in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, ModelShape, resolve_model
+from rankguard_operator.core.names import VLLM_HTTP_PORT
+from rankguard_operator.core.owned_flags import extra_args_conflicts
+from rankguard_operator.core.planner import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SAFETY_MARGIN_BYTES,
+    LOGITS_MODES,
+)
+from rankguard_operator.core.spec_fields import (
+    SpecError,
+    bool_field,
+    choice_field,
+    cpu_quantity,
+    int_field,
+    memory_quantity,
+    number_field,
+    required_int,
+    section,
+    str_field,
+)
+from rankguard_operator.core.units import MiB
+
+__all__ = [
+    "AgentSpec",
+    "EngineSpec",
+    "MemorySpec",
+    "ModelSpec",
+    "RemediationSpec",
+    "ResourcesSpec",
+    "ServiceSpec",
+    "SpecError",
+    "check_split",
+    "parse_spec",
+    "resolve_shape",
+]
+
+# The CRD's defaults and enums (crds/llmservice.yaml); keep them in step with it.
+DEFAULT_MIN_HEADROOM_BYTES = 256 * MiB
+DEFAULT_COOLDOWN_SECONDS = 300
+DEFAULT_MAX_PER_HOUR = 4
+DEFAULT_HOST_MEMORY_BUMP_RATIO = 1.2
+DEFAULT_AGENT_PORT = 9404
+DEFAULT_SAMPLE_HZ = 10.0
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+MAX_GPUS_PER_REPLICA = 64
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    shape: Mapping[str, Any] | None = None  # camelCase override keys, as in the CRD
+    config_map: str | None = None
+    config_map_key: str = "config.json"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enforce_eager: bool = False
+    logits_mode: str = "all-gather"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None  # pinned: rankguard never changes it
+    safety_margin_bytes: int = DEFAULT_SAFETY_MARGIN_BYTES
+    min_headroom_bytes: int = DEFAULT_MIN_HEADROOM_BYTES
+    reclaim: bool = True
+    gpu_memory_bytes: int | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.kv_cache_memory_bytes is not None
+
+
+@dataclass(frozen=True)
+class RemediationSpec:
+    enabled: bool = True
+    cooldown_seconds: int = DEFAULT_COOLDOWN_SECONDS
+    max_per_hour: int = DEFAULT_MAX_PER_HOUR
+    min_kv_cache_bytes: int | None = None
+    max_kv_cache_bytes: int | None = None
+    host_memory_bump_ratio: float = DEFAULT_HOST_MEMORY_BUMP_RATIO
+    max_host_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    """CPU stays a Kubernetes quantity string (rankguard never computes with it); memory is bytes."""
+
+    cpu_request: str | None = None
+    cpu_limit: str | None = None
+    memory_request_bytes: int | None = None
+    memory_limit_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    image: str | None = None
+    port: int = DEFAULT_AGENT_PORT
+    probe: bool = True
+    sample_hz: float = DEFAULT_SAMPLE_HZ
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    image: str
+    replicas: int = 1
+    tp: int = 1
+    pp: int = 1
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    memory: MemorySpec = field(default_factory=MemorySpec)
+    remediation: RemediationSpec = field(default_factory=RemediationSpec)
+    agent: AgentSpec = field(default_factory=AgentSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+
+    @property
+    def world_size(self) -> int:
+        """GPUs per replica (one pod): tensorParallelSize × pipelineParallelSize."""
+        return self.tp * self.pp
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
+    if "model" not in spec:
+        raise SpecError("spec.model is required: give spec.model.name, e.g. meta-llama/Meta-Llama-3-70B")
+    m = section(spec, "model", "spec")
+    name = str_field(m, "name", "spec.model", None, max_len=512)
+    if name is None:
+        raise SpecError("spec.model.name is required, e.g. meta-llama/Meta-Llama-3-70B")
+    shape_raw = m.get("shape")
+    shape: dict[str, Any] | None = None
+    if shape_raw is not None:
+        if not isinstance(shape_raw, Mapping):
+            raise SpecError("spec.model.shape must be an object of config.json figures (camelCase)")
+        unknown = sorted(set(shape_raw) - set(SHAPE_OVERRIDE_KEYS))
+        if unknown:
+            raise SpecError(
+                f"spec.model.shape has unknown field(s) {', '.join(unknown)}; "
+                f"accepted: {', '.join(SHAPE_OVERRIDE_KEYS)}"
+            )
+        for k, v in shape_raw.items():
+            if v is None:
+                continue
+            if k == "tieWordEmbeddings":
+                if not isinstance(v, bool):
+                    raise SpecError(
+                        f"spec.model.shape.tieWordEmbeddings must be true or false, got {v!r:.60}"
+                    )
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"spec.model.shape.{k} must be a positive integer, got {v!r:.60}")
+        shape = dict(shape_raw)
+    cm = m.get("configMap")
+    cm_name: str | None = None
+    cm_key = "config.json"
+    if cm is not None:
+        if not isinstance(cm, Mapping):
+            raise SpecError("spec.model.configMap must be an object with name (and optional key)")
+        cm_name = str_field(cm, "name", "spec.model.configMap", None, max_len=253)
+        if cm_name is None:
+            raise SpecError("spec.model.configMap.name is required: the ConfigMap that holds config.json")
+        cm_key = str_field(cm, "key", "spec.model.configMap", "config.json", max_len=253) or "config.json"
+    if shape is not None and cm_name is not None:
+        raise SpecError(
+            "give spec.model.shape or spec.model.configMap, not both: each fully describes the "
+            "model's architecture"
+        )
+    return ModelSpec(name=name, shape=shape, config_map=cm_name, config_map_key=cm_key)
+
+
+def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
+    w = "spec.engine"
+    e = section(spec, "engine", "spec")
+    max_num_seqs = required_int(e, "maxNumSeqs", w, DEFAULT_MAX_NUM_SEQS, lo=1, hi=65536)
+    batched = required_int(e, "maxNumBatchedTokens", w, DEFAULT_MAX_NUM_BATCHED_TOKENS, lo=1, hi=10_000_000)
+    if batched < max_num_seqs:
+        raise SpecError(
+            f"spec.engine.maxNumBatchedTokens ({batched}) must be >= spec.engine.maxNumSeqs "
+            f"({max_num_seqs}) (vLLM refuses to start otherwise); raise maxNumBatchedTokens or lower "
+            "maxNumSeqs"
+        )
+    raw_extra = e.get("extraArgs") or []
+    if not isinstance(raw_extra, list) or not all(isinstance(a, str) for a in raw_extra):
+        raise SpecError("spec.engine.extraArgs must be a list of strings, e.g. ['--enable-prefix-caching']")
+    if len(raw_extra) > 64:
+        raise SpecError(f"spec.engine.extraArgs has {len(raw_extra)} entries; at most 64 are allowed")
+    conflicts = extra_args_conflicts(raw_extra)
+    if conflicts:
+        raise SpecError("; ".join(conflicts))
+    return EngineSpec(
+        max_num_seqs=max_num_seqs,
+        max_model_len=int_field(e, "maxModelLen", w, None, lo=1, hi=100_000_000),
+        max_num_batched_tokens=batched,
+        dtype=choice_field(e, "dtype", w, "auto", DTYPES),
+        kv_cache_dtype=choice_field(e, "kvCacheDtype", w, "auto", KV_CACHE_DTYPES),
+        block_size=_block_size(e),
+        enforce_eager=bool_field(e, "enforceEager", w, False),
+        logits_mode=choice_field(e, "logitsMode", w, "all-gather", LOGITS_MODES),
+        extra_args=tuple(raw_extra),
+    )
+
+
+def _block_size(e: Mapping[str, Any]) -> int:
+    v = required_int(e, "blockSize", "spec.engine", DEFAULT_BLOCK_SIZE, lo=1)
+    if v not in BLOCK_SIZES:
+        raise SpecError(
+            f"spec.engine.blockSize must be one of {', '.join(map(str, BLOCK_SIZES))} tokens, got {v}"
+        )
+    return v
+
+
+def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
+    w = "spec.memory"
+    m = section(spec, "memory", "spec")
+    util = number_field(m, "gpuMemoryUtilization", w, None, lo=0.0, hi=0.99)
+    if util is not None and util <= 0:
+        raise SpecError("spec.memory.gpuMemoryUtilization must be above 0 (a fraction of each GPU's memory)")
+    kv = int_field(m, "kvCacheMemoryBytes", w, None, lo=1)
+    if util is not None and kv is not None:
+        raise SpecError(
+            "set spec.memory.kvCacheMemoryBytes (a pinned per-GPU KV budget) or "
+            "spec.memory.gpuMemoryUtilization (a starting fraction), not both; leave both unset to let "
+            "rankguard plan the budget per rank"
+        )
+    margin = required_int(m, "safetyMarginBytes", w, DEFAULT_SAFETY_MARGIN_BYTES, lo=0)
+    min_headroom = required_int(m, "minHeadroomBytes", w, DEFAULT_MIN_HEADROOM_BYTES, lo=0)
+    if min_headroom > margin:
+        raise SpecError(
+            f"spec.memory.minHeadroomBytes ({min_headroom}) must not exceed spec.memory.safetyMarginBytes "
+            f"({margin}): a budget planned with that margin would count as memory pressure at once"
+        )
+    gpu = int_field(m, "gpuMemoryBytes", w, None, lo=1)
+    if kv is not None and gpu is not None and kv >= gpu:
+        raise SpecError(
+            "spec.memory.kvCacheMemoryBytes must be smaller than spec.memory.gpuMemoryBytes: the KV cache "
+            "shares each GPU with the weights, activations and NCCL buffers"
+        )
+    return MemorySpec(
+        gpu_memory_utilization=util,
+        kv_cache_memory_bytes=kv,
+        safety_margin_bytes=margin,
+        min_headroom_bytes=min_headroom,
+        reclaim=bool_field(m, "reclaim", w, True),
+        gpu_memory_bytes=gpu,
+    )
+
+
+def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> RemediationSpec:
+    w = "spec.remediation"
+    r = section(spec, "remediation", "spec")
+    lo = int_field(r, "minKVCacheBytes", w, None, lo=1)
+    hi = int_field(r, "maxKVCacheBytes", w, None, lo=1)
+    if lo is not None and hi is not None and lo > hi:
+        raise SpecError(
+            f"spec.remediation.minKVCacheBytes ({lo}, the floor) must be <= "
+            f"spec.remediation.maxKVCacheBytes ({hi}, the ceiling)"
+        )
+    pinned = memory.kv_cache_memory_bytes
+    if pinned is not None and lo is not None and pinned < lo:
+        raise SpecError(
+            "spec.memory.kvCacheMemoryBytes is below spec.remediation.minKVCacheBytes: raise the pinned "
+            "budget or lower the floor"
+        )
+    if pinned is not None and hi is not None and pinned > hi:
+        raise SpecError(
+            "spec.memory.kvCacheMemoryBytes is above spec.remediation.maxKVCacheBytes: lower the pinned "
+            "budget or raise the ceiling"
+        )
+    ratio = number_field(r, "hostMemoryBumpRatio", w, DEFAULT_HOST_MEMORY_BUMP_RATIO, lo=1.0, hi=4.0)
+    assert ratio is not None
+    return RemediationSpec(
+        enabled=bool_field(r, "enabled", w, True),
+        cooldown_seconds=required_int(r, "cooldownSeconds", w, DEFAULT_COOLDOWN_SECONDS, lo=0, hi=86400),
+        max_per_hour=required_int(r, "maxPerHour", w, DEFAULT_MAX_PER_HOUR, lo=0, hi=60),
+        min_kv_cache_bytes=lo,
+        max_kv_cache_bytes=hi,
+        host_memory_bump_ratio=ratio,
+        max_host_memory_bytes=memory_quantity(r, "maxHostMemory", w),
+    )
+
+
+def _parse_resources(spec: Mapping[str, Any]) -> ResourcesSpec:
+    res = section(spec, "resources", "spec")
+    req = section(res, "requests", "spec.resources")
+    lim = section(res, "limits", "spec.resources")
+    mem_req = memory_quantity(req, "memory", "spec.resources.requests")
+    mem_lim = memory_quantity(lim, "memory", "spec.resources.limits")
+    if mem_req is not None and mem_lim is not None and mem_req > mem_lim:
+        raise SpecError(
+            f"spec.resources.requests.memory ({req.get('memory')}) exceeds spec.resources.limits.memory "
+            f"({lim.get('memory')}); Kubernetes refuses such a pod: raise the limit or lower the request"
+        )
+    return ResourcesSpec(
+        cpu_request=cpu_quantity(req, "cpu", "spec.resources.requests"),
+        cpu_limit=cpu_quantity(lim, "cpu", "spec.resources.limits"),
+        memory_request_bytes=mem_req,
+        memory_limit_bytes=mem_lim,
+    )
+
+
+def _parse_agent(spec: Mapping[str, Any]) -> AgentSpec:
+    w = "spec.agent"
+    a = section(spec, "agent", "spec")
+    port = required_int(a, "port", w, DEFAULT_AGENT_PORT, lo=1024, hi=65535)
+    if port == VLLM_HTTP_PORT:
+        raise SpecError(
+            f"spec.agent.port {port} is vLLM's HTTP port in the same pod; choose another, e.g. "
+            f"{DEFAULT_AGENT_PORT}"
+        )
+    hz = number_field(a, "sampleHz", w, DEFAULT_SAMPLE_HZ, lo=0.0, hi=100.0)
+    assert hz is not None
+    if hz <= 0:
+        raise SpecError("spec.agent.sampleHz must be above 0 samples per second")
+    return AgentSpec(
+        image=str_field(a, "image", w, None),
+        port=port,
+        probe=bool_field(a, "probe", w, True),
+        sample_hz=hz,
+    )
+
+
+def check_split(shape: ModelShape, tp: int, pp: int) -> None:
+    """vLLM's constraints between the model and the GPU split, as SpecErrors naming spec fields."""
+    if shape.num_heads % tp != 0:
+        raise SpecError(
+            f"spec.tensorParallelSize ({tp}) must divide the {shape.num_heads} attention heads of "
+            f"{shape.name!r}: vLLM splits heads evenly across ranks"
+        )
+    kv = shape.num_kv_heads
+    if kv % tp != 0 and tp % kv != 0:
+        raise SpecError(
+            f"spec.tensorParallelSize ({tp}) and the {kv} KV heads of {shape.name!r} must divide one "
+            "another: vLLM splits KV heads across ranks, or replicates them when there are fewer"
+        )
+    if pp > shape.num_layers:
+        raise SpecError(
+            f"spec.pipelineParallelSize ({pp}) exceeds the {shape.num_layers} layers of {shape.name!r}; "
+            "each pipeline stage needs at least one layer"
+        )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
+    """Parse an LLMService's `spec` (camelCase, as the API returns it). Raises `SpecError`."""
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec must be an object, got {type(spec).__name__}")
+    model = _parse_model(spec)
+    image = str_field(spec, "image", "spec", None)
+    if image is None:
+        raise SpecError("spec.image is required: the vLLM image, e.g. vllm/vllm-openai:v0.11.0")
+    tp = required_int(spec, "tensorParallelSize", "spec", 1, lo=1, hi=MAX_GPUS_PER_REPLICA)
+    pp = required_int(spec, "pipelineParallelSize", "spec", 1, lo=1, hi=MAX_GPUS_PER_REPLICA)
+    if tp * pp > MAX_GPUS_PER_REPLICA:
+        raise SpecError(
+            f"spec.tensorParallelSize × spec.pipelineParallelSize ({tp} × {pp} = {tp * pp} GPUs per replica) "
+            f"must be at most {MAX_GPUS_PER_REPLICA}; lower one of them"
+        )
+    if model.config_map is None:
+        # Known now (catalog or spec.model.shape): check it here, so a bad spec is reported once,
+        # clearly, instead of failing every plan. A ConfigMap's shape is checked when planning.
+        try:
+            shape = resolve_model(model.name, model.shape)
+        except ModelError as exc:
+            raise SpecError(f"spec.model: {exc}") from None
+        check_split(shape, tp, pp)
+    memory = _parse_memory(spec)
+    return ServiceSpec(
+        model=model,
+        image=image,
+        replicas=required_int(spec, "replicas", "spec", 1, lo=0, hi=1000),
+        tp=tp,
+        pp=pp,
+        engine=_parse_engine(spec),
+        memory=memory,
+        remediation=_parse_remediation(spec, memory),
+        agent=_parse_agent(spec),
+        resources=_parse_resources(spec),
+    )
+
+
+def resolve_shape(spec: ServiceSpec, hf_config: Mapping[str, Any] | None = None) -> ModelShape:
+    """The model shape to plan with: spec.model.shape, else the ConfigMap's config.json (read by
+    the caller and passed as `hf_config`), else the built-in catalog. Raises SpecError."""
+    if spec.model.config_map is not None and hf_config is None:
+        raise SpecError(
+            f"spec.model.configMap names ConfigMap {spec.model.config_map!r}; read its "
+            f"{spec.model.config_map_key!r} entry and pass it as hf_config before planning"
+        )
+    try:
+        shape = resolve_model(spec.model.name, spec.model.shape, hf_config=hf_config)
+    except ModelError as exc:
+        raise SpecError(f"spec.model: {exc}") from None
+    check_split(shape, spec.tp, spec.pp)
+    return shape

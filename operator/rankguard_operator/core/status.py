@@ -1,0 +1,352 @@
+"""Builders for an LLMService's `.status`: the per-rank table, printer-column strings, the
+budget, conditions, phase, bounded history, and the patch that writes only what changed.
+
+Field names follow crds/llmservice.yaml. The printer columns (READY, KV-BUDGET, RANK0,
+MIN-HEADROOM, BOTTLENECK, PHASE) read pre-formatted strings, so they are built here in the
+binary units `kubectl top` uses (`1.9Gi`).
+
+Pure: no I/O, no clock (times come in as arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rankguard_operator.core.budget import equivalent_utilization, is_measured, utilization_kv_bytes
+from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.headroom import Observation
+from rankguard_operator.core.history import Remediation, history_from_status
+from rankguard_operator.core.observe import RolloutState
+from rankguard_operator.core.planner import Plan, capacity_for_budget
+from rankguard_operator.core.policy import Decision
+from rankguard_operator.core.render import vllm_args
+from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.units import format_bytes
+
+HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks and printer columns
+
+
+def rank_rows(observation: Observation | None) -> list[dict[str, Any]]:
+    """`status.ranks`: one row per rank (its worst replica), stale rows marked."""
+    if observation is None:
+        return []
+    return [
+        {
+            "rank": r.rank,
+            "uuid": r.uuid[:128],
+            "pod": r.pod[:253],
+            "totalBytes": r.total_bytes,
+            "freeBytes": r.free_bytes,
+            "minFreeBytes": r.min_free_bytes,
+            "headroomBytes": r.headroom_bytes,
+            "headroom": format_bytes(r.headroom_bytes),
+            "stale": r.stale,
+        }
+        for r in observation.ranks
+    ]
+
+
+def summary_fields(
+    observation: Observation | None, flags: ServingFlags | None, ready_replicas: int, replicas: int
+) -> dict[str, Any]:
+    """The printer-column strings. A value rankguard does not know is None, so a status patch
+    removes it and `kubectl get` shows <none> rather than an old figure; a rank known only
+    from stale reports shows `stale`."""
+    b = observation.bottleneck if observation is not None else None
+    rank0 = observation.rank(0) if observation is not None else None
+    if rank0 is None:
+        rank0_text = None
+    elif rank0.stale:
+        rank0_text = "stale"
+    else:
+        rank0_text = format_bytes(rank0.headroom_bytes)
+    return {
+        "ready": f"{ready_replicas}/{replicas}",
+        "readyReplicas": ready_replicas,
+        "kvBudget": None if flags is None else flags.budget_text(),
+        "rank0Headroom": rank0_text,
+        "minHeadroom": None if b is None else format_bytes(b.headroom_bytes),
+        "bottleneck": None if b is None else f"rank {b.rank}",
+        "bottleneckRank": None if b is None else b.rank,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Budget
+
+
+def budget_source(
+    plan: Plan | None,
+    flags: ServingFlags,
+    spec: ServiceSpec,
+    last_remediation: Remediation | None = None,
+) -> str:
+    """Where the budget in effect came from: pinned, utilization, rolled-back, remediated,
+    measured (a plan with probe figures) or planned (a plan from priors)."""
+    if spec.memory.pinned:
+        return "pinned"
+    if flags.kv_cache_memory_bytes is None:
+        return "utilization"
+    last = last_remediation
+    if last is not None and last.to_flags.kv_cache_memory_bytes == flags.kv_cache_memory_bytes:
+        if last.action == "rollback":
+            return "rolled-back"
+        if last.action == "replan":
+            return "measured" if last.trigger == "Measured" else "planned"
+        if last.action in ("shrink", "grow", "degrade"):
+            return "remediated"
+    if plan is not None and plan.kv_cache_memory_bytes == flags.kv_cache_memory_bytes:
+        return "measured" if is_measured(plan) else "planned"
+    return "remediated" if last is not None else "planned"
+
+
+def budget_status(
+    plan: Plan | None,
+    flags: ServingFlags | None,
+    spec: ServiceSpec,
+    *,
+    last_remediation: Remediation | None = None,
+) -> dict[str, Any]:
+    """`status.budget`: bytes, the equivalent utilisation, blocks, tokens, max concurrency and
+    source. Capacity figures need the plan (the model's shape); in utilisation mode they are
+    the plan's estimate of what that utilisation leaves."""
+    if flags is None:
+        return {}
+    doc: dict[str, Any] = {"source": budget_source(plan, flags, spec, last_remediation)}
+    kv = flags.kv_cache_memory_bytes
+    if kv is not None:
+        doc["kvCacheMemoryBytes"] = kv
+        if plan is not None:
+            doc["gpuMemoryUtilization"] = equivalent_utilization(plan, kv)
+    elif flags.gpu_memory_utilization is not None:
+        doc["gpuMemoryUtilization"] = flags.gpu_memory_utilization
+        if plan is not None:
+            kv = utilization_kv_bytes(plan, flags.gpu_memory_utilization)
+    if plan is not None and kv is not None:
+        i = plan.inputs
+        cap = capacity_for_budget(
+            i.shape,
+            i.tp,
+            kv,
+            kv_cache_dtype=i.kv_cache_dtype,
+            block_size=i.block_size,
+            max_model_len=plan.max_model_len,
+            pp=i.pp,
+            dtype=i.dtype,
+            pp_layer_partition=i.pp_layer_partition,
+        )
+        doc.update(blocks=cap.blocks, tokens=cap.tokens, maxConcurrency=round(cap.max_concurrency, 2))
+    return doc
+
+
+def last_known_good_status(
+    flags: ServingFlags | None, spec: ServiceSpec, prior: Plan | None
+) -> dict[str, Any] | None:
+    """`status.lastKnownGood`: the flags as the CRD keeps them (the vLLM arguments, rendered
+    with the spec's `prior` plan as the Deployment is, the budget and the memory limit).
+    `ServingFlags.from_status` reads this object back directly."""
+    if flags is None:
+        return None
+    return {**flags.to_status(), "flags": vllm_args(spec, flags, prior)}
+
+
+# --------------------------------------------------------------------------------------------
+# History
+
+
+def append_history(
+    history: Sequence[Mapping[str, Any]], entry: Mapping[str, Any] | Remediation, limit: int = HISTORY_LIMIT
+) -> list[dict[str, Any]]:
+    """`history` + `entry` (a status dict or a Remediation), keeping the newest `limit`."""
+    doc = entry.to_status() if isinstance(entry, Remediation) else dict(entry)
+    out = [dict(h) for h in history] + [doc]
+    return out[-limit:] if limit > 0 else []
+
+
+def remediation_from_status(doc: Any) -> Remediation | None:
+    return Remediation.from_status(doc)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole status
+
+
+def _conditions(
+    old: Sequence[Mapping[str, Any]],
+    *,
+    spec: ServiceSpec,
+    now_iso: str,
+    generation: int,
+    flags: ServingFlags | None,
+    decision: Decision | None,
+    rollout: RolloutState | None,
+    ready_replicas: int,
+    last: Remediation | None,
+) -> list[dict[str, Any]]:
+    conds = [dict(c) for c in old]
+
+    def put(type_: Condition, status: str, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = set_condition(conds, type_, status, reason, message, now_iso, generation)
+
+    want = spec.replicas
+    rolled = rollout is not None and rollout.complete
+    ready = ready_replicas >= want and (rollout is None or rolled)
+    if ready:
+        put(Condition.READY, "True", "ReplicasReady", f"{ready_replicas}/{want} replicas ready")
+    else:
+        put(Condition.READY, "False", "ReplicasNotReady", f"{ready_replicas}/{want} replicas ready")
+
+    if rollout is None or rollout.phase == "unknown":
+        put(
+            Condition.PROGRESSING,
+            "Unknown",
+            rollout.reason if rollout else "NoDeployment",
+            rollout.message if rollout else "",
+        )
+    elif rollout.phase == "progressing":
+        put(Condition.PROGRESSING, "True", "RollingOut", rollout.message)
+    elif rollout.phase == "failed":
+        put(Condition.PROGRESSING, "False", rollout.reason, rollout.message)
+    else:
+        put(Condition.PROGRESSING, "False", "RolloutComplete", "every replica runs the current flags")
+
+    # Remediating: a change rankguard made is rolling out (or was just decided).
+    acting = decision is not None and decision.is_remediation
+    rolling_last = last is not None and flags is not None and last.to_flags == flags and not rolled
+    if acting and decision is not None:
+        put(Condition.REMEDIATING, "True", decision.reason, decision.message)
+    elif rolling_last and last is not None:
+        put(
+            Condition.REMEDIATING,
+            "True",
+            "RollingOut",
+            f"rolling out {last.to_flags.describe()} ({last.trigger})",
+        )
+    else:
+        put(Condition.REMEDIATING, "False", "Idle", "no automatic change in progress")
+
+    # Degraded sticks until the service is ready on a completed rollout: a crash-looping
+    # service alternates between "degrade" (a new crash) and "none" (between crashes).
+    old_degraded = condition(old, Condition.DEGRADED)
+    # After a rollback the service runs, but not as asked: it stays Degraded, with the reason,
+    # until another change is made (by rankguard or by a person through the spec).
+    rolled_back = last is not None and last.action == "rollback" and flags == last.to_flags
+    if decision is not None and decision.action in ("degrade", "hold"):
+        put(Condition.DEGRADED, "True", decision.reason, decision.message)
+    elif rolled_back and last is not None:
+        put(
+            Condition.DEGRADED,
+            "True",
+            "RolledBack",
+            f"{last.message}. The service runs the last known good flags; fix the cause (see the "
+            "pods' events and logs) or change the spec to try again.",
+        )
+    elif old_degraded is not None and old_degraded.get("status") == "True" and not ready:
+        put(
+            Condition.DEGRADED,
+            "True",
+            str(old_degraded.get("reason") or "Degraded"),
+            str(old_degraded.get("message") or ""),
+        )
+    else:
+        put(Condition.DEGRADED, "False", "AsExpected", "rankguard has nothing it cannot fix")
+
+    if flags is not None and flags.kv_cache_memory_bytes is not None:
+        put(Condition.BUDGET_PLANNED, "True", "ExplicitBudget", f"per-GPU KV budget {flags.budget_text()}")
+    elif flags is not None:
+        put(
+            Condition.BUDGET_PLANNED,
+            "False",
+            "Utilization",
+            f"running {flags.describe()} until a budget is known",
+        )
+    else:
+        put(Condition.BUDGET_PLANNED, "Unknown", "NotRendered", "no flags rendered yet")
+    return conds
+
+
+def build_status(
+    *,
+    old: Mapping[str, Any],
+    spec: ServiceSpec,
+    generation: int,
+    now_iso: str,
+    observation: Observation | None,
+    flags: ServingFlags | None,
+    last_known_good: ServingFlags | None,
+    plan: Plan | None,
+    prior: Plan | None,
+    decision: Decision | None,
+    rollout: RolloutState | None,
+    ready_replicas: int,
+    history: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
+    status to `status_patch`: fields set to None here are removed, other fields are kept."""
+    parsed = history_from_status(list(history))
+    last = parsed[-1] if parsed else None
+    conditions = _conditions(
+        list(old.get("conditions") or []),
+        spec=spec,
+        now_iso=now_iso,
+        generation=generation,
+        flags=flags,
+        decision=decision,
+        rollout=rollout,
+        ready_replicas=ready_replicas,
+        last=last,
+    )
+    return {
+        "phase": phase_for(conditions).value,
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "ranks": rank_rows(observation),
+        **summary_fields(observation, flags, ready_replicas, spec.replicas),
+        "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
+        "lastKnownGood": last_known_good_status(last_known_good, spec, prior),
+        "remediations": [dict(h) for h in history][-HISTORY_LIMIT:],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Writing only what changed
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any], *, top: bool) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if value is None:
+            if before is not None:
+                patch[key] = None  # merge-patch null: remove the field
+            continue
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            sub = _diff(before, value, top=False)
+            if sub:
+                patch[key] = sub
+        elif before != value:
+            patch[key] = value
+    if not top:
+        # inside an object rankguard owns, fields it no longer writes are removed
+        for key in old:
+            if key not in new and old[key] is not None:
+                patch[key] = None
+    return patch
+
+
+def status_patch(
+    old_status: Mapping[str, Any] | None, new_status: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """A JSON merge patch (RFC 7386) turning `old_status` into `new_status`, or None when they
+    are equal, so the caller writes status only on change. Top-level fields absent from
+    `new_status` are left alone (they may belong to someone else, e.g. kopf); set one to None
+    to remove it. Nested objects are diffed field by field; lists are replaced whole."""
+    patch = _diff(old_status or {}, new_status, top=True)
+    return patch or None

@@ -1,0 +1,104 @@
+"""The operator's configuration: one object, built once at start-up from the environment.
+
+Environment (all optional):
+  RANKGUARD_WATCH_NAMESPACES  comma-separated namespaces (or globs) to watch; empty = all
+  RANKGUARD_AGENT_IMAGE       image of the agent-install init container in serving pods
+  RANKGUARD_LIVENESS_HOST/PORT  kopf's liveness endpoint /healthz (default 0.0.0.0:8080; 0 = off)
+  RANKGUARD_METRICS_HOST/PORT   Prometheus metrics (default 0.0.0.0:9090; 0 = off)
+  RANKGUARD_SCRAPE_INTERVAL   seconds between passes of each service's loop (default 2)
+  RANKGUARD_STALE_AFTER       seconds after which an agent report is too old to act on (default 30)
+  RANKGUARD_LOG_FORMAT        plain | json (default plain)
+
+A bad value stops the operator at start-up with one line naming the variable, rather than
+being discovered later in a loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rankguard_operator.core.reconcile import Settings
+
+DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
+
+
+class ConfigError(ValueError):
+    """A RANKGUARD_* variable has a value the operator cannot use; the message names it."""
+
+
+def _port(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key, str(default)).strip()
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a port number (0 turns the endpoint off)") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{key}={port} is outside 0-65535 (0 turns the endpoint off)")
+    return port
+
+
+def _seconds(env: Mapping[str, str], key: str, default: float) -> float:
+    raw = env.get(key, str(default)).strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key}={raw!r} must be a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    watch_namespaces: tuple[str, ...] = ()
+    agent_image: str = DEFAULT_AGENT_IMAGE
+    liveness_host: str = "0.0.0.0"
+    liveness_port: int = 8080
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9090
+    scrape_interval: float = 2.0
+    stale_after: float = 30.0
+    log_format: str = "plain"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
+        fmt = env.get("RANKGUARD_LOG_FORMAT", "plain").strip() or "plain"
+        if fmt not in ("plain", "json"):
+            raise ConfigError(f"RANKGUARD_LOG_FORMAT={fmt!r} must be plain or json")
+        namespaces = tuple(
+            n.strip() for n in env.get("RANKGUARD_WATCH_NAMESPACES", "").split(",") if n.strip()
+        )
+        return cls(
+            watch_namespaces=namespaces,
+            agent_image=env.get("RANKGUARD_AGENT_IMAGE", "").strip() or DEFAULT_AGENT_IMAGE,
+            liveness_host=env.get("RANKGUARD_LIVENESS_HOST", "0.0.0.0").strip() or "0.0.0.0",
+            liveness_port=_port(env, "RANKGUARD_LIVENESS_PORT", 8080),
+            metrics_host=env.get("RANKGUARD_METRICS_HOST", "0.0.0.0").strip() or "0.0.0.0",
+            metrics_port=_port(env, "RANKGUARD_METRICS_PORT", 9090),
+            scrape_interval=_seconds(env, "RANKGUARD_SCRAPE_INTERVAL", 2.0),
+            stale_after=_seconds(env, "RANKGUARD_STALE_AFTER", 30.0),
+            log_format=fmt,
+        )
+
+    @property
+    def uses_namespace_patterns(self) -> bool:
+        """Namespace globs (`team-*`) need kopf's namespace scanning; exact names do not."""
+        return any(ch in ns for ns in self.watch_namespaces for ch in "*?[")
+
+    @property
+    def settings(self) -> Settings:
+        """What each reconcile step needs."""
+        return Settings(agent_image=self.agent_image, stale_after=self.stale_after)
+
+    def kopf_args(self) -> dict[str, object]:
+        """What to hand kopf.operator()."""
+        return {
+            "standalone": True,
+            "clusterwide": not self.watch_namespaces,
+            "namespaces": list(self.watch_namespaces),
+            "liveness_endpoint": (
+                f"http://{self.liveness_host}:{self.liveness_port}/healthz" if self.liveness_port else None
+            ),
+        }

@@ -1,0 +1,172 @@
+"""Runs one LLMService's passes: gather the world, call the pure step, carry out its effects.
+
+Everything decided lives in `core.reconcile.step`; this module only does I/O, in the order
+the step lists its effects (intent before roll, roll before status), so a crash anywhere
+leaves a state the next step finishes exactly once.
+
+The state a step starts from is the status the API server holds. kopf hands the daemon a
+live body, but the watch event of our own status write can arrive after the next pass has
+started (a pod event wakes it at once, and kopf restarts a failed daemon after a short
+delay). A step started from such a stale body would decide again what is already written
+(and roll twice), so the executor remembers the state each of its writes left and the
+resourceVersion the write returned, and uses that state until the body has caught up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rankguard_operator.core import reconcile
+from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.status import status_patch
+from rankguard_operator.edge import k8s
+from rankguard_operator.edge.metrics import PASSES, RECONCILE_SECONDS, REMEDIATIONS
+from rankguard_operator.edge.scrape import Scraper, Target
+
+log = logging.getLogger("rankguard_operator.executor")
+
+# A state that lasts (a hold, Degraded, an invalid spec) is re-decided every pass; its Event
+# is posted again at most this often (its text carries counters that change every second).
+EVENT_REPEAT_SECONDS = 300.0
+
+
+class ServiceExecutor:
+    """One per LLMService, kept in kopf's per-object memo across daemon restarts."""
+
+    def __init__(self, name: str, namespace: str, settings: reconcile.Settings) -> None:
+        self.name, self.namespace, self.settings = name, namespace, settings
+        self.scraper = Scraper(name, namespace)
+        self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
+        self._written: tuple[str, reconcile.ServiceState] | None = None  # (rv of our write, state)
+        self._refused: str | None = None  # the last refusal logged, so it is logged once
+
+    async def close(self) -> None:
+        await self.scraper.close()
+
+    # ------------------------------------------------------------------------------- a pass
+    async def run_once(self, body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
+        """One pass. Returns the phase written (for the caller's logs)."""
+        started = time.monotonic()
+        try:
+            return await self._run_once(body, pods)
+        finally:
+            RECONCILE_SECONDS.observe(time.monotonic() - started)
+            PASSES.labels(namespace=self.namespace, llmservice=self.name).inc()
+
+    def _state(self, body: Mapping[str, Any]) -> reconcile.ServiceState:
+        rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+        if self._written is not None and _older(rv, self._written[0]):
+            return self._written[1]  # kopf has not delivered our own last write yet
+        return reconcile.ServiceState.from_status(body.get("status"))
+
+    def _remember(self, rv: str | None, state: reconcile.ServiceState) -> None:
+        if rv is not None:
+            self._written = (rv, state)
+
+    async def _run_once(self, body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
+        meta = body.get("metadata") or {}
+        state = self._state(body)
+        spec = dict(body.get("spec") or {})
+        deployment = await k8s.get_deployment(self.namespace, self.name)
+        targets = [Target(*t) for t in reconcile.scrape_targets(spec, deployment, pods)]
+        scraped = await self.scraper.scrape(targets)
+        world = reconcile.World(
+            name=self.name,
+            namespace=self.namespace,
+            uid=str(meta.get("uid") or ""),
+            generation=int(meta.get("generation") or 0),
+            spec=spec,
+            now=time.time(),
+            new_id=uuid.uuid4().hex[:12],
+            deployment=deployment,
+            pods=pods,
+            reports=[(s.pod, s.report, s.received_at) for s in scraped],
+        )
+        step = reconcile.step(state, world, self.settings)
+        try:
+            await self.execute(body, state, step)
+        except k8s.ApplyRefused as e:
+            await self._refused_apply(body, state, world, e)
+            return Phase.DEGRADED.value
+        self._refused = None
+        return step.phase
+
+    async def execute(
+        self, body: Mapping[str, Any], state: reconcile.ServiceState, step: reconcile.Step
+    ) -> None:
+        """Carry out the step's effects in order; the first failure stops the rest (the next
+        step starts from what was persisted)."""
+        for effect in step.effects:
+            if isinstance(effect, reconcile.WriteIntent):
+                rv = await k8s.patch_status(
+                    self.namespace, self.name, {"pendingRemediation": dict(effect.pending)}
+                )
+                self._remember(rv, reconcile.with_intent(state, effect.pending))
+            elif isinstance(effect, reconcile.ApplyDeployment):
+                await k8s.apply(effect.body)
+                if effect.remediation_id is not None:
+                    REMEDIATIONS.labels(
+                        self.namespace, self.name, str(effect.action), str(effect.trigger)
+                    ).inc()
+            elif isinstance(effect, reconcile.ApplyService):
+                await k8s.apply(effect.body)
+            elif isinstance(effect, reconcile.PostEvent):
+                await self._event(body, effect)
+            elif isinstance(effect, reconcile.WriteStatus):
+                rv = await k8s.patch_status(self.namespace, self.name, effect.patch)
+                self._remember(rv, step.state)
+
+    async def _event(self, body: Mapping[str, Any], e: reconcile.PostEvent) -> None:
+        now = time.monotonic()
+        if e.repeat:
+            last = self._posted.get(e.reason)
+            if last is not None and now - last < EVENT_REPEAT_SECONDS:
+                return
+        self._posted[e.reason] = now
+        await k8s.post_event(body, type=e.type, reason=e.reason, message=e.message, name=e.name)
+
+    async def _refused_apply(
+        self,
+        body: Mapping[str, Any],
+        state: reconcile.ServiceState,
+        world: reconcile.World,
+        err: k8s.ApplyRefused,
+    ) -> None:
+        """The API server refused what we rendered: retrying the same object cannot help. Say so
+        on the LLMService (Degraded, one Event per reason and period) and in the log once per
+        distinct refusal; a pending remediation stays written, to be finished once it can."""
+        message = (
+            f"{err}. rankguard keeps retrying; change the LLMService (or what refuses the object: "
+            "an admission policy, a quota, the operator's permissions) to let it through"
+        )
+        if self._refused != message:
+            self._refused = message
+            log.warning("LLMService %s/%s: %s", self.namespace, self.name, message)
+        when = reconcile.iso(world.now)
+        conditions = set_condition(
+            list(state.raw.get("conditions") or []),
+            Condition.DEGRADED,
+            "True",
+            "ApplyRefused",
+            message,
+            when,
+            world.generation,
+        )
+        patch = status_patch(state.raw, {"conditions": conditions, "phase": Phase.DEGRADED.value})
+        if patch is not None:
+            await k8s.patch_status(self.namespace, self.name, patch)
+        await self._event(body, reconcile.PostEvent("Warning", "ApplyRefused", message, repeat=True))
+
+
+def _older(rv: str, than: str) -> bool:
+    """True when resourceVersion `rv` is older than `than`. The API calls resourceVersions
+    opaque, but they are etcd revisions (increasing integers) in every Kubernetes; anything
+    else compares as "not older", so the body wins and nothing is ever stuck on the cache."""
+    try:
+        return int(rv) < int(than)
+    except ValueError:
+        return False

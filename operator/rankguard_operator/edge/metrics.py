@@ -1,0 +1,31 @@
+"""The operator's own Prometheus metrics (served by prometheus_client, never hand-written)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REPORTS_OK = Counter(
+    "rankguard_operator_reports_accepted_total",
+    "Agent reports that parsed and validated",
+    ["namespace", "llmservice"],
+)
+REPORTS_REJECTED = Counter(
+    "rankguard_operator_reports_rejected_total",
+    "Agent reports ignored as no data: unreachable, non-200, oversized or malformed",
+    ["namespace", "llmservice", "reason"],
+)
+REMEDIATIONS = Counter(
+    "rankguard_operator_remediations_total",
+    "Deployment rolls the operator made to change memory flags, by action and trigger",
+    ["namespace", "llmservice", "action", "trigger"],
+)
+RECONCILE_SECONDS = Histogram(
+    "rankguard_operator_reconcile_seconds",
+    "Time for one pass of an LLMService's loop (observe, decide, act)",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+)
+PASSES = Counter(
+    "rankguard_operator_passes_total",
+    "Passes of an LLMService's loop (observe, decide, act), finished or failed",
+    ["namespace", "llmservice"],
+)

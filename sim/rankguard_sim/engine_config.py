@@ -1,0 +1,114 @@
+"""vLLM's engine flags, resolved against a scenario's defaults and checked as vLLM checks them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scenario_data import Scenario
+
+# vLLM's accepted values (engine arg choices); anything else is refused before start-up.
+DTYPE_BYTES = {"half": 2, "float16": 2, "bfloat16": 2, "float": 4, "float32": 4}
+DTYPES = ("auto", *DTYPE_BYTES)
+KV_CACHE_DTYPE_BYTES = {"bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_BYTES)
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+class EngineConfigError(ValueError):
+    """The flags cannot describe an engine for this scenario (vLLM would refuse to start)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    dtype: str
+    kv_cache_dtype: str
+    enforce_eager: bool
+    disable_custom_all_reduce: bool
+
+    @property
+    def dtype_bytes_override(self) -> int | None:
+        return DTYPE_BYTES.get(self.dtype)
+
+
+def engine_config(
+    scenario: Scenario,
+    *,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    block_size: int | None = None,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    enforce_eager: bool = False,
+    disable_custom_all_reduce: bool = False,
+    allow_long_max_model_len: bool = False,
+) -> EngineConfig:
+    """Fill vLLM's defaults for this scenario's GPU and check what vLLM checks at config time."""
+    tp = scenario.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
+    pp = scenario.pipeline_parallel_size if pipeline_parallel_size is None else pipeline_parallel_size
+    if (tp, pp) != (scenario.tensor_parallel_size, scenario.pipeline_parallel_size):
+        raise EngineConfigError(
+            f"scenario {scenario.name} describes TP{scenario.tensor_parallel_size}×"
+            f"PP{scenario.pipeline_parallel_size}; the simulated world has no measurements for TP{tp}×PP{pp}"
+        )
+    util = (
+        scenario.defaults.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
+    )
+    if not 0.0 < util <= 1.0:
+        raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 0:
+        raise EngineConfigError(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
+    seqs = scenario.defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
+    if seqs < 1:
+        raise EngineConfigError(f"max_num_seqs must be >= 1, got {seqs}")
+    tokens = (
+        scenario.defaults.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    )
+    if tokens < 1:
+        raise EngineConfigError(f"max_num_batched_tokens must be >= 1, got {tokens}")
+    derived_len = scenario.model.max_position_embeddings
+    length = derived_len if max_model_len is None else max_model_len
+    if length < 1:
+        raise EngineConfigError(f"max_model_len must be >= 1, got {length}")
+    if length > derived_len and not allow_long_max_model_len:
+        # vLLM's wording (ModelConfig), shortened to its first two sentences.
+        raise EngineConfigError(
+            f"User-specified max_model_len ({length}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={derived_len} or model_max_length=None in model's config.json). "
+            "To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+        )
+    blocks = scenario.defaults.block_size if block_size is None else block_size
+    if blocks not in BLOCK_SIZES:
+        raise EngineConfigError(f"block_size must be one of {BLOCK_SIZES}, got {blocks}")
+    if dtype not in DTYPES:
+        raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EngineConfigError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return EngineConfig(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        gpu_memory_utilization=util,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        max_model_len=length,
+        block_size=blocks,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        enforce_eager=enforce_eager,
+        disable_custom_all_reduce=disable_custom_all_reduce,
+    )

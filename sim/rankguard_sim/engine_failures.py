@@ -1,0 +1,241 @@
+"""How the simulated engine fails: PyTorch's OOM and vLLM's start-up errors, in their own words.
+
+The messages are PyTorch's and vLLM's formats, because the agent recognises the printed
+text (never these classes): a wording drift here is a recogniser test failing there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .scenario_data import GIB, KIB, MIB
+
+# Outcome reasons (the world's words; the agent recognises the printed messages instead).
+CUDA_OOM = "CUDAOutOfMemory"
+STARTUP_FREE_MEMORY = "FreeMemoryBelowRequested"
+KV_CACHE_TOO_SMALL = "KVCacheTooSmall"
+NO_KV_MEMORY = "NoKVCacheMemory"
+GPU_LOST = "GpuLost"
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages (formats of PyTorch and vLLM)
+
+
+def format_size(nbytes: int) -> str:
+    """PyTorch's c10 `format_size`: bytes up to 1 KiB, then KiB/MiB/GiB with two decimals."""
+    if nbytes <= KIB:
+        return f"{nbytes} bytes"
+    if nbytes <= MIB:
+        return f"{nbytes / KIB:.2f} KiB"
+    if nbytes <= GIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def torch_allocation_size(nbytes: int) -> int:
+    """The block size PyTorch's caching allocator asks the driver for (what "Tried to allocate" shows).
+
+    Small requests come from 2 MiB segments, requests under 10 MiB from 20 MiB segments,
+    and larger ones are rounded up to a multiple of 2 MiB.
+    """
+    if nbytes <= MIB:
+        return 2 * MIB
+    if nbytes < 10 * MIB:
+        return 20 * MIB
+    return 2 * MIB * math.ceil(nbytes / (2 * MIB))
+
+
+def format_gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+class EngineFailure(Exception):
+    """The engine stops; `rank` is the rank (local GPU index) that caused it, if one did."""
+
+    reason = "EngineError"
+
+    def __init__(self, rank: int | None, phase: str) -> None:
+        super().__init__(rank, phase)
+        self.rank = rank
+        self.phase = phase
+
+    @property
+    def requested_bytes(self) -> int | None:
+        return None
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None
+
+    def message(self) -> str:
+        return f"engine failed during {self.phase}"
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+class CudaOutOfMemory(EngineFailure):
+    """A rank asked its GPU for more than was free: PyTorch's torch.OutOfMemoryError."""
+
+    reason = CUDA_OOM
+
+    def __init__(
+        self,
+        rank: int,
+        phase: str,
+        *,
+        nbytes: int,
+        free: int,
+        total: int,
+        process_bytes: int,
+        torch_allocated: int,
+        private_pools: int,
+        others: Sequence[tuple[int, int]] = (),
+        what: str = "",
+    ) -> None:
+        super().__init__(rank, phase)
+        self.what = what  # the ledger tag being allocated (weights, kv_cache, logits, ...)
+        self.nbytes = nbytes
+        self.tried = torch_allocation_size(nbytes)
+        self.free = free
+        self.total = total
+        self.process_bytes = process_bytes
+        self.torch_allocated = torch_allocated
+        self.private_pools = private_pools
+        self.others = tuple(others)
+
+    @property
+    def requested_bytes(self) -> int | None:
+        return self.tried
+
+    @property
+    def free_bytes(self) -> int | None:
+        return self.free
+
+    def message(self) -> str:
+        others = "".join(f"Process {pid} has {format_size(n)} memory in use. " for pid, n in self.others)
+        pools = (
+            f"with {format_size(self.private_pools)} allocated in private pools (e.g., CUDA Graphs), "
+            if self.private_pools
+            else ""
+        )
+        return (
+            f"CUDA out of memory. Tried to allocate {format_size(self.tried)}. "
+            f"GPU {self.rank} has a total capacity of {format_size(self.total)} of which "
+            f"{format_size(self.free)} is free. {others}Including non-PyTorch memory, this process has "
+            f"{format_size(self.process_bytes)} memory in use. Of the allocated memory "
+            f"{format_size(self.torch_allocated)} is allocated by PyTorch, {pools}and "
+            f"{format_size(0)} is reserved by PyTorch but unallocated. If reserved but unallocated "
+            "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+            "fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+
+
+class SamplerWarmupOOM(CudaOutOfMemory):
+    """vLLM wraps an OOM while pre-allocating the sampler's logits buffers in its own advice."""
+
+    def __init__(self, oom: CudaOutOfMemory, num_reqs: int) -> None:
+        super().__init__(
+            oom.rank if oom.rank is not None else 0,
+            "sampler-warmup",
+            nbytes=oom.nbytes,
+            free=oom.free,
+            total=oom.total,
+            process_bytes=oom.process_bytes,
+            torch_allocated=oom.torch_allocated,
+            private_pools=oom.private_pools,
+            others=oom.others,
+            what=oom.what,
+        )
+        self.num_reqs = num_reqs
+
+    def advice(self) -> str:
+        return (
+            f"CUDA out of memory occurred when warming up sampler with {self.num_reqs} dummy requests. "
+            "Please try lowering `max_num_seqs` or `gpu_memory_utilization` when initializing the engine."
+        )
+
+
+class StartupFreeMemoryError(EngineFailure):
+    """vLLM's check in init_device: free memory after NCCL init below total × utilisation."""
+
+    reason = STARTUP_FREE_MEMORY
+
+    def __init__(self, rank: int, *, free: int, total: int, utilization: float, requested: int) -> None:
+        super().__init__(rank, "init-device")
+        self.free = free
+        self.total = total
+        self.utilization = utilization
+        self.requested = requested
+
+    @property
+    def requested_bytes(self) -> int | None:
+        return self.requested
+
+    @property
+    def free_bytes(self) -> int | None:
+        return self.free
+
+    def message(self) -> str:
+        return (
+            f"Free memory on device cuda:{self.rank} ({format_gib(self.free)}/{format_gib(self.total)} GiB) "
+            f"on startup is less than desired GPU memory utilization ({self.utilization}, "
+            f"{format_gib(self.requested)} GiB). Decrease GPU memory utilization or reduce GPU memory "
+            "used by other processes."
+        )
+
+
+class NoKVCacheMemory(EngineFailure):
+    reason = NO_KV_MEMORY
+
+    def __init__(self, rank: int, available: int) -> None:
+        super().__init__(rank, "kv-cache")
+        self.available = available
+
+    @property
+    def free_bytes(self) -> int | None:
+        return max(0, self.available)
+
+    def message(self) -> str:
+        return (
+            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+            "when initializing the engine."
+        )
+
+
+class KVCacheTooSmall(EngineFailure):
+    reason = KV_CACHE_TOO_SMALL
+
+    def __init__(self, rank: int, *, max_model_len: int, needed: int, available: int, estimated: int) -> None:
+        super().__init__(rank, "kv-cache")
+        self.max_model_len = max_model_len
+        self.needed = needed
+        self.available = available
+        self.estimated = estimated
+
+    @property
+    def requested_bytes(self) -> int | None:
+        return self.needed
+
+    @property
+    def free_bytes(self) -> int | None:
+        return self.available
+
+    def message(self) -> str:
+        return (
+            f"To serve at least one request with the models's max seq len ({self.max_model_len}), "
+            f"({format_gib(self.needed)} GiB KV cache is needed, which is larger than the available KV "
+            f"cache memory ({format_gib(self.available)} GiB). Based on the available memory, the "
+            f"estimated maximum model length is {self.estimated}. Try increasing "
+            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+        )
+
+
+class GpuLost(EngineFailure):
+    reason = GPU_LOST
+
+    def message(self) -> str:
+        return "CUDA error: unspecified launch failure (the GPU has fallen off the bus)"

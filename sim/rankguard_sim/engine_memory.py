@@ -1,0 +1,373 @@
+"""vLLM v1's memory behaviour over a scenario: per-rank bytes by phase, replayed over a ledger.
+
+`rank_memory` turns a scenario and an engine configuration into each rank's bytes;
+`EngineMemoryModel` replays vLLM v1's start-up and serving sequence over a `Ledger` (what is
+free on each GPU). The fake vLLM runs it over the simulated GPU files; `engine_outcome`
+runs it over a `PureLedger`, so a benchmark asks the same question the fake answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .engine_config import KV_CACHE_DTYPE_BYTES, EngineConfig
+from .engine_failures import (
+    CudaOutOfMemory,
+    GpuLost,
+    KVCacheTooSmall,
+    NoKVCacheMemory,
+    SamplerWarmupOOM,
+    StartupFreeMemoryError,
+)
+from .scenario_data import PHASES, Scenario
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's bytes under one engine configuration, by the phase that allocates them."""
+
+    rank: int
+    init: int  # CUDA context + communicators, before vLLM's memory snapshot
+    weights: int
+    profile_peak: int  # freed again after profile_run
+    cuda_graph: int  # captured after the KV cache; vLLM subtracts its estimate of it
+    serving: int  # communicator memory that first appears with real traffic
+    logits_per_seq: int  # the transient that grows with the running batch
+    kv_bytes_per_token: int
+    block_bytes: int  # one KV block across this rank's layers
+
+    def transient(self, running_seqs: int) -> int:
+        return self.logits_per_seq * max(0, running_seqs)
+
+    @property
+    def holds_logits(self) -> bool:
+        return self.logits_per_seq > 0
+
+
+def _logits_per_seq(s: Scenario, rank: int) -> int:
+    if not s.is_last_stage(rank):
+        return 0  # earlier pipeline stages hand hidden states on; they never see logits
+    vocab, tp, nbytes = s.model.vocab_size, s.tensor_parallel_size, s.logits.dtype_bytes
+    if s.logits.mode == "all_gather" or tp == 1 or s.tp_rank(rank) == 0:
+        return vocab * nbytes
+    return math.ceil(vocab / tp) * nbytes  # the partial logits a non-driver rank computes
+
+
+def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
+    model_dtype = scenario.model.dtype_bytes
+    dtype_bytes = config.dtype_bytes_override or model_dtype
+    kv_dtype_bytes = KV_CACHE_DTYPE_BYTES.get(config.kv_cache_dtype, dtype_bytes)
+    kv_heads = max(1, scenario.model.num_kv_heads // scenario.tensor_parallel_size)
+    out = []
+    for rank in range(scenario.world_size):
+        phases = dict.fromkeys(PHASES, 0)
+        for c in scenario.components:
+            nbytes = c.bytes_for(rank)
+            if c.disabled_by == "disable_custom_all_reduce" and config.disable_custom_all_reduce:
+                continue
+            if (c.disabled_by == "enforce_eager" or c.phase == "cuda_graph") and config.enforce_eager:
+                continue
+            if c.scales_with == "max_num_batched_tokens":
+                nbytes = nbytes * config.max_num_batched_tokens // scenario.defaults.max_num_batched_tokens
+            elif c.scales_with == "dtype":
+                nbytes = nbytes * dtype_bytes // model_dtype
+            phases[c.phase] += nbytes
+        layers = scenario.layers_on_stage(scenario.pp_rank(rank))
+        per_token = layers * 2 * kv_heads * scenario.model.head_dim * kv_dtype_bytes
+        out.append(
+            RankMemory(
+                rank=rank,
+                init=phases["init"],
+                weights=phases["weights"],
+                profile_peak=phases["profile"],
+                cuda_graph=phases["cuda_graph"],
+                serving=phases["serving"],
+                logits_per_seq=_logits_per_seq(scenario, rank),
+                kv_bytes_per_token=per_token,
+                block_bytes=per_token * config.block_size,
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM v1's memory sequence over a ledger
+
+
+class Ledger(Protocol):
+    """What the engine can see of its GPUs: one process, rank i on the pod's i-th GPU."""
+
+    def total(self, rank: int) -> int: ...
+
+    def free(self, rank: int) -> int: ...
+
+    def held(self, rank: int, tag: str) -> int: ...
+
+    def hold(self, rank: int, tag: str, nbytes: int) -> None: ...
+
+    def others(self, rank: int) -> list[tuple[int, int]]: ...
+
+    def lost(self, rank: int) -> bool: ...
+
+
+class PureLedger:
+    """GPUs that exist only in memory (for `outcome()` and the tests)."""
+
+    def __init__(self, totals: Sequence[int], others_used: Sequence[int] | None = None) -> None:
+        self.totals = list(totals)
+        self.others_used = list(others_used) if others_used is not None else [0] * len(self.totals)
+        self.tags: list[dict[str, int]] = [{} for _ in self.totals]
+
+    def total(self, rank: int) -> int:
+        return self.totals[rank]
+
+    def used(self, rank: int) -> int:
+        return self.others_used[rank] + sum(self.tags[rank].values())
+
+    def free(self, rank: int) -> int:
+        return max(0, self.totals[rank] - self.used(rank))
+
+    def held(self, rank: int, tag: str) -> int:
+        return self.tags[rank].get(tag, 0)
+
+    def hold(self, rank: int, tag: str, nbytes: int) -> None:
+        if nbytes:
+            self.tags[rank][tag] = nbytes
+        else:
+            self.tags[rank].pop(tag, None)
+
+    def others(self, rank: int) -> list[tuple[int, int]]:
+        return [(0, self.others_used[rank])] if self.others_used[rank] else []
+
+    def lost(self, rank: int) -> bool:
+        return False
+
+
+# Tags: how the engine's memory splits for the OOM message (non-PyTorch vs PyTorch vs pools).
+TAG_INIT = "init"
+TAG_WEIGHTS = "weights"
+TAG_PROFILE = "profile"
+TAG_KV = "kv_cache"
+TAG_GRAPHS = "cuda_graphs"
+TAG_SERVING_COMM = "serving_comm"
+TAG_TRANSIENT = "logits"
+_TORCH_TAGS = (TAG_WEIGHTS, TAG_PROFILE, TAG_KV, TAG_TRANSIENT, TAG_GRAPHS)
+ALL_TAGS = (TAG_INIT, *_TORCH_TAGS, TAG_SERVING_COMM)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    available: tuple[int, ...]  # per rank, what each worker reports (vLLM's "Available KV cache memory")
+    requested: tuple[int, ...]  # per rank, total × utilisation
+    num_gpu_blocks: int  # the engine core's minimum over workers
+    kv_bytes: tuple[int, ...]  # per rank, what is actually allocated
+    block_size: int
+    pinned: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+
+class EngineMemoryModel:
+    """vLLM v1's start-up and serving memory sequence, one phase per method.
+
+    Sources: vllm/v1/worker/gpu_worker.py (init_device takes the snapshot after NCCL init
+    and refuses to start when free < total × utilisation; determine_available_memory;
+    compile_or_warm_up_model captures CUDA graphs, then warms the sampler on the last
+    pipeline stage), vllm/v1/core/kv_cache_utils.py (the engine core takes the minimum of
+    the workers' block counts), and reference/vllm-memory-facts.md.
+    """
+
+    def __init__(self, scenario: Scenario, config: EngineConfig, ledger: Ledger) -> None:
+        self.scenario = scenario
+        self.config = config
+        self.ledger = ledger
+        self.ranks = rank_memory(scenario, config)
+        self.plan: KVPlan | None = None
+        self.snapshot_free: list[int] = []  # free memory per rank at vLLM's memory snapshot
+        self.serving_started = False
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def _allocate(self, rank: int, tag: str, nbytes: int, phase: str) -> None:
+        if self.ledger.lost(rank):
+            raise GpuLost(rank, phase)
+        if nbytes <= 0:
+            return
+        free = self.ledger.free(rank)
+        if nbytes > free:
+            held = {t: self.ledger.held(rank, t) for t in ALL_TAGS}
+            raise CudaOutOfMemory(
+                rank,
+                phase,
+                nbytes=nbytes,
+                free=free,
+                total=self.ledger.total(rank),
+                process_bytes=sum(held.values()),
+                torch_allocated=sum(held[t] for t in _TORCH_TAGS),
+                private_pools=held[TAG_GRAPHS],
+                others=self.ledger.others(rank),
+                what=tag,
+            )
+        self.ledger.hold(rank, tag, self.ledger.held(rank, tag) + nbytes)
+
+    def _release(self, rank: int, tag: str) -> None:
+        self.ledger.hold(rank, tag, 0)
+
+    def release_all(self) -> None:
+        for rank in range(self.world_size):
+            for tag in ALL_TAGS:
+                self._release(rank, tag)
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def init_devices(self) -> None:
+        """CUDA context, NCCL communicators, custom all-reduce and NVLS buffers."""
+        for m in self.ranks:
+            self._allocate(m.rank, TAG_INIT, m.init, "init-device")
+
+    def check_free_memory(self) -> list[int]:
+        """requested = ceil(total × utilisation); vLLM refuses to start if free is below it.
+
+        The check runs even when --kv-cache-memory-bytes is given (init_device always calls
+        it), so a pinned budget also needs a utilisation the free memory can satisfy.
+        """
+        requested = []
+        self.snapshot_free = [self.ledger.free(m.rank) for m in self.ranks]
+        for m in self.ranks:
+            total = self.ledger.total(m.rank)
+            want = math.ceil(total * self.config.gpu_memory_utilization)
+            free = self.snapshot_free[m.rank]
+            if free < want:
+                raise StartupFreeMemoryError(
+                    m.rank,
+                    free=free,
+                    total=total,
+                    utilization=self.config.gpu_memory_utilization,
+                    requested=want,
+                )
+            requested.append(want)
+        return requested
+
+    def load_weights(self) -> None:
+        for m in self.ranks:
+            self._allocate(m.rank, TAG_WEIGHTS, m.weights, "load-model")
+
+    def profile(self) -> None:
+        """profile_run: a dummy forward at max_num_batched_tokens; its peak is freed again."""
+        try:
+            for m in self.ranks:
+                self._allocate(m.rank, TAG_PROFILE, m.profile_peak, "profile-run")
+        finally:
+            for m in self.ranks:
+                self._release(m.rank, TAG_PROFILE)
+
+    def determine_kv(self, requested: Sequence[int]) -> KVPlan:
+        cfg = self.config
+        pinned = cfg.kv_cache_memory_bytes is not None
+        available = []
+        for m in self.ranks:
+            if pinned:
+                assert cfg.kv_cache_memory_bytes is not None
+                avail = cfg.kv_cache_memory_bytes
+            else:
+                avail = requested[m.rank] - (m.weights + m.profile_peak + m.cuda_graph)
+            if avail <= 0:
+                raise NoKVCacheMemory(m.rank, avail)
+            available.append(avail)
+        blocks = [avail // m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
+        per_request = math.ceil(cfg.max_model_len / cfg.block_size)
+        for m, avail, nblocks in zip(self.ranks, available, blocks, strict=True):
+            if nblocks < per_request:
+                raise KVCacheTooSmall(
+                    m.rank,
+                    max_model_len=cfg.max_model_len,
+                    needed=per_request * m.block_bytes,
+                    available=avail,
+                    estimated=nblocks * cfg.block_size,
+                )
+        num_blocks = min(blocks)
+        self.plan = KVPlan(
+            available=tuple(available),
+            requested=tuple(requested),
+            num_gpu_blocks=num_blocks,
+            kv_bytes=tuple(num_blocks * m.block_bytes for m in self.ranks),
+            block_size=cfg.block_size,
+            pinned=pinned,
+        )
+        return self.plan
+
+    def allocate_kv(self) -> None:
+        assert self.plan is not None, "determine_kv first"
+        for m, nbytes in zip(self.ranks, self.plan.kv_bytes, strict=True):
+            self._allocate(m.rank, TAG_KV, nbytes, "initialize-kv-cache")
+
+    def capture_cuda_graphs(self) -> None:
+        for m in self.ranks:
+            self._allocate(m.rank, TAG_GRAPHS, m.cuda_graph, "capture-cuda-graphs")
+
+    def warm_up_sampler(self) -> None:
+        """The last stage pre-allocates logits for max_num_seqs dummy requests, then frees them."""
+        num_reqs = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        try:
+            for m in self.ranks:
+                self._allocate(m.rank, TAG_TRANSIENT, m.transient(num_reqs), "sampler-warmup")
+        except CudaOutOfMemory as oom:
+            raise SamplerWarmupOOM(oom, num_reqs) from oom
+        finally:
+            for m in self.ranks:
+                self._release(m.rank, TAG_TRANSIENT)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def start_serving(self) -> None:
+        """The first real forward: communicator memory that profiling never saw appears now."""
+        if self.serving_started:
+            return
+        for m in self.ranks:
+            self._allocate(m.rank, TAG_SERVING_COMM, m.serving, "execute-model")
+        self.serving_started = True
+
+    def begin_step(self, running_seqs: int) -> None:
+        """One decode step's logits for `running_seqs` sequences (held until end_step)."""
+        self.start_serving()
+        for m in self.ranks:
+            if self.ledger.lost(m.rank):
+                raise GpuLost(m.rank, "execute-model")
+            self._allocate(m.rank, TAG_TRANSIENT, m.transient(running_seqs), "execute-model")
+
+    def end_step(self) -> None:
+        for m in self.ranks:
+            self._release(m.rank, TAG_TRANSIENT)
+
+    def seq_capacity(self) -> int:
+        """How many sequences of the load's length the KV cache can hold at once."""
+        assert self.plan is not None
+        per_seq = math.ceil(self.scenario.load.tokens_per_seq / self.config.block_size)
+        return self.plan.num_gpu_blocks // per_seq
+
+    def running_levels(self) -> list[int]:
+        """The running batch at each ramp level: demand, capped by max_num_seqs and the KV cache."""
+        cap = min(self.config.max_num_seqs, self.seq_capacity())
+        return [min(d, cap) for d in self.scenario.load.demand_levels()]
+
+    def startup(self) -> KVPlan:
+        """Every start-up phase in vLLM's order (what `outcome()` replays without pauses)."""
+        self.init_devices()
+        requested = self.check_free_memory()
+        self.load_weights()
+        self.profile()
+        plan = self.determine_kv(requested)
+        self.allocate_kv()
+        if not self.config.enforce_eager:
+            self.capture_cuda_graphs()
+        self.warm_up_sampler()
+        return plan
