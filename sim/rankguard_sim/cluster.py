@@ -1,5 +1,8 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, controller-manager, scheduler.
 
+(Over 400 lines because starting four components in order, with their PKI, health checks and
+cleanup that survives a killed test run, is one sequence; splitting it would scatter it.)
+
 This is what envtest does for Go operators, plus the controllers (so Deployments really get
 ReplicaSets and Pods, and the scheduler really binds them). The binaries come from
 hack/testbin/build.sh. Every component runs in its own process group with a parent-death

@@ -1,5 +1,8 @@
 """The per-rank KV-cache budget planner. Pure functions over plain data: no I/O, no clock.
 
+(Over 400 lines because `make_plan` is one computation read top to bottom, rank by rank, with
+its input and output types beside it; the pieces it adds up live in `memory_model`.)
+
 Why per rank: under tensor parallelism vLLM applies ONE KV budget to every rank (it takes the
 minimum of the workers' block counts, and `--kv-cache-memory-bytes` is one number "per GPU"),
 but non-KV memory differs by rank: the logits buffer (gathered to rank 0 in vLLM v0 / the

@@ -1,5 +1,8 @@
 """One reconcile step of an LLMService, as a pure function: `step(state, world) -> Step`.
 
+(A little over 400 lines because the step reads as the loop does, top to bottom, in one place;
+its state and effects live in `service_state` and `effects`.)
+
 `state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
 is what the edge observed for this pass (the spec, the Deployment, the pods, the agents'
 reports, the clock, and the id a new remediation would carry). The result is the next state

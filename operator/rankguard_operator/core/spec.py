@@ -1,5 +1,8 @@
 """`ServiceSpec`: an LLMService's `spec`, parsed and checked, with the CRD's defaults applied.
 
+(Over 400 lines because it mirrors the CRD's spec section by section, one parser per section,
+so a reader can hold it against crds/llmservice.yaml; the field readers live in `spec_fields`.)
+
 The API server already validates and defaults the spec (crds/llmservice.yaml, OpenAPI +
 CEL), but the operator must not trust that alone: it can run against an older CRD, and tests
 and the CLI build specs by hand. So `parse_spec` applies the same defaults and checks the same
