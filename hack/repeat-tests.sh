@@ -39,7 +39,8 @@ for i in $(seq "$runs"); do
     else
         result=RED
     fi
-    summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -n 1 || true)
+    # One pytest summary per target (e.g. cluster, then e2e), joined on one line.
+    summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | paste -sd ';' - || true)
     echo "run $i/$runs: $result in $(( $(date +%s) - started ))s  ${summary}"
     if [[ $result == RED ]]; then
         echo "log: $log"
