@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Regenerate the snapshot of one real vLLM release that rankguard is built against.
+#
+#   hack/vllm-snapshot/run.sh [VERSION]          # default 0.33.0; writes the committed snapshot
+#   hack/vllm-snapshot/run.sh [VERSION] --check  # writes to a temp dir and diffs with the committed one
+#
+# The real package (~9 GB with torch, ~4 min to install) goes into a cache venv OUTSIDE the repo,
+# $RANKGUARD_CACHE/vllm-VERSION (default ~/.cache/rankguard); it is never installed in CI.
+# Nothing is started: vLLM is imported on CPU (VLLM_TARGET_DEVICE=cpu) and read.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+version="${1:-0.33.0}"
+mode="${2:-write}"
+cache="${RANKGUARD_CACHE:-$HOME/.cache/rankguard}"
+venv="$cache/vllm-$version"
+dest="$repo/operator/rankguard_operator/vllm_snapshots/$version"
+
+if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$version'" 2>/dev/null; then
+    echo "installing vllm==$version into $venv (once; ~9 GB)" >&2
+    python3.11 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q "vllm==$version"
+fi
+
+export VLLM_TARGET_DEVICE=cpu
+if [ "$mode" = "--check" ]; then
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    "$venv/bin/python" "$here/snapshot.py" "$tmp" >/dev/null 2>&1 || "$venv/bin/python" "$here/snapshot.py" "$tmp"
+    diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
+else
+    "$venv/bin/python" "$here/snapshot.py" "$dest" 2>/dev/null
+fi

@@ -1,0 +1,277 @@
+"""Write a snapshot of one installed vLLM: its `vllm serve` options, the lines rankguard reads, KV facts.
+
+Runs INSIDE a venv that has the real `vllm` installed (see run.sh, which makes that venv);
+nothing here is typed from memory: options come from vLLM's own parser object, format strings
+from the installed source (file:line) and from torch's shared libraries, the KV facts from the
+config classes and the source line that proves them. If a fact cannot be found the script stops
+with the name of what is missing, so a new vLLM version is re-read, never guessed.
+
+    python snapshot.py OUT_DIR
+
+writes OUT_DIR/{cli,formats,engine}.json (sorted keys, stable order: a re-run on the same
+version gives the same bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.metadata
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# The lines rankguard's agent recognises. Key: our name for the line; value: (package, a
+# fragment that occurs in exactly the message(s) we mean). The fragments are search keys, not
+# the messages: the messages themselves are copied out of the installed source below.
+PY_MESSAGES: dict[str, tuple[str, str]] = {
+    "kv_cache_size": ("vllm", "KV cache size: %s tokens"),
+    "available_kv_memory": ("vllm", "Available KV cache memory"),
+    "model_loading": ("vllm", "Model loading took"),
+    "startup_free_too_low": ("vllm", "is less than desired GPU memory utilization"),
+    "startup_free_external": ("vllm", "is less than the engine's budget after excluding"),
+    "worker_memory_report": ("vllm", "Replace gpu_memory_utilization config with"),
+    "cuda_graph_pool": ("vllm", "CUDA graph pool memory"),
+    "kv_too_small": ("vllm", "KV cache is needed, which is larger than the available KV cache memory"),
+    "no_kv_memory": ("vllm", "No available memory for the cache blocks"),
+}
+# PyTorch's allocator messages are C++ (c10/cuda); they are read from the shared libraries.
+LIB_MESSAGES: dict[str, tuple[str, str]] = {
+    "torch_oom_tried": ("libc10_cuda.so", "CUDA out of memory. Tried to allocate "),
+    "torch_oom_capacity": ("libc10_cuda.so", " has a total capacity of "),
+    "torch_oom_fraction": ("libc10_cuda.so", "Allocation was preemptively rejected"),
+    "torch_oom_private_pools": ("libc10_cuda.so", " allocated in private pools"),
+    "torch_oom_outside_allocator": ("libtorch_cuda.so", "CUDA ran out of memory outside PyTorch's allocator"),
+}
+# The source line that proves the block pool holds one block back (the "null block").
+NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI
+
+
+def _type_name(t: Any) -> dict[str, Any]:
+    """A small, closed description of an argparse `type` callable."""
+    if t is None:
+        return {"name": "str"}
+    if t in (int, float, str):
+        return {"name": t.__name__}
+    name = getattr(t, "__name__", type(t).__name__)
+    cells = (
+        dict(zip(t.__code__.co_freevars, t.__closure__ or (), strict=True)) if hasattr(t, "__code__") else {}
+    )
+    if name in ("_optional_type", "_parse_type") and "return_type" in cells:
+        inner = _type_name(cells["return_type"].cell_contents)
+        return {"name": "optional", "of": inner} if name == "_optional_type" else inner
+    if name in ("human_readable_int", "human_readable_int_or_auto"):
+        return {"name": name}
+    if name == "loads":
+        return {"name": "json"}
+    if name == "union_dict_and_str":
+        return {"name": "str"}  # a JSON object or any string
+    return {"name": "opaque", "callable": name}  # validated by vLLM only
+
+
+def _jsonable(v: Any) -> Any:
+    try:
+        json.dumps(v)
+    except TypeError:
+        return repr(v)
+    return v
+
+
+def cli_snapshot() -> dict[str, Any]:
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import EnableDisableAction, FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    # every registered spelling, hidden ones included (`--no-enable-x`)
+    spellings: dict[int, list[str]] = {}
+    for opt, action in parser._option_string_actions.items():
+        spellings.setdefault(id(action), []).append(opt)
+    options = []
+    positionals = []
+    for action in parser._actions:
+        if not action.option_strings:
+            positionals.append({"dest": action.dest, "nargs": action.nargs})
+            continue
+        if isinstance(action, argparse._HelpAction):
+            continue
+        kind = {
+            argparse._StoreAction: "value",
+            argparse._AppendAction: "append",
+            argparse._StoreTrueAction: "true",
+            argparse._StoreFalseAction: "false",
+            EnableDisableAction: "switch",
+            argparse.BooleanOptionalAction: "switch",
+        }.get(type(action), "custom")
+        entry: dict[str, Any] = {
+            "dest": action.dest,
+            "option_strings": sorted(spellings[id(action)]),
+            "kind": kind,
+            "nargs": action.nargs,
+            "type": _type_name(action.type) if action.nargs != 0 else None,
+            "choices": None if action.choices is None else [_jsonable(c) for c in action.choices],
+            "default": _jsonable(action.default),
+        }
+        if kind == "switch":
+            entry["negative_option_strings"] = sorted(
+                s
+                for s in spellings[id(action)]
+                if s in action.negative_option_strings or s.startswith("--no-")
+            )
+        options.append(entry)
+    options.sort(key=lambda o: o["dest"])
+    return {
+        "prog": "vllm serve",
+        "allow_abbrev": parser.allow_abbrev,
+        "positionals": positionals,
+        "options": options,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Messages
+
+
+def _template(node: ast.expr) -> tuple[str, str, list[str]] | None:
+    """(style, template, expressions) for a string literal or an f-string; None otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return ("percent" if re.search(r"%[sd.0-9]", node.value) else "plain", node.value, [])
+    if isinstance(node, ast.JoinedStr):
+        parts: list[str] = []
+        exprs: list[str] = []
+        for v in node.values:
+            if isinstance(v, ast.Constant):
+                parts.append(str(v.value).replace("{", "{{").replace("}", "}}"))
+            elif isinstance(v, ast.FormattedValue):
+                spec = ""
+                if v.format_spec is not None:
+                    spec = ":" + "".join(
+                        str(s.value) for s in v.format_spec.values if isinstance(s, ast.Constant)
+                    )
+                conv = "" if v.conversion == -1 else "!" + chr(v.conversion)
+                parts.append("{" + str(len(exprs)) + conv + spec + "}")
+                exprs.append(ast.unparse(v.value))
+        return ("format", "".join(parts), exprs)
+    return None
+
+
+def _literals(tree: ast.AST) -> list[tuple[int, ast.expr]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) or (
+            isinstance(node, ast.Constant) and isinstance(node.value, str)
+        ):
+            found.append((node.lineno, node))
+    return found
+
+
+def python_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
+    wanted = {k: [] for k in PY_MESSAGES}  # type: dict[str, list[dict[str, Any]]]
+    root = site / "vllm"
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not any(frag in text for _, frag in PY_MESSAGES.values()) and "KV cache size" not in text:
+            continue
+        tree = ast.parse(text)
+        # f-string parts are Constants too: skip those, keep the whole JoinedStr
+        inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        for lineno, node in _literals(tree):
+            if id(node) in inner:
+                continue
+            t = _template(node)
+            if t is None:
+                continue
+            style, template, exprs = t
+            for key, (_, frag) in PY_MESSAGES.items():
+                if frag in template:
+                    wanted[key].append(
+                        {
+                            "file": str(path.relative_to(site)),
+                            "line": lineno,
+                            "style": style,
+                            "template": template,
+                            "exprs": exprs,
+                        }
+                    )
+    missing = [k for k, v in wanted.items() if not v]
+    if missing:
+        sys.exit(f"snapshot: no message found in vLLM's source for {missing}; re-read the recognisers")
+    return wanted
+
+
+def _strings(data: bytes, min_len: int = 12) -> list[str]:
+    return [m.decode("ascii") for m in re.findall(rb"[\x20-\x7e]{%d,}" % min_len, data)]
+
+
+def library_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for key, (lib, frag) in LIB_MESSAGES.items():
+        path = site / "torch" / "lib" / lib
+        hits = sorted({s for s in _strings(path.read_bytes()) if frag in s})
+        if not hits:
+            sys.exit(f"snapshot: {frag!r} not found in {path}")
+        out[key] = [
+            {
+                "file": str(path.relative_to(site)),
+                "line": None,
+                "style": "fragment",
+                "template": h,
+                "exprs": [],
+            }
+            for h in hits
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Engine facts
+
+
+def engine_facts(site: Path) -> dict[str, Any]:
+    from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
+
+    rel, evidence = NULL_BLOCK_EVIDENCE
+    lines = (site / rel).read_text(encoding="utf-8").splitlines()
+    where = [i + 1 for i, line in enumerate(lines) if evidence in line]
+    if len(where) != 1:
+        sys.exit(f"snapshot: the null-block line {evidence!r} is not in {rel} exactly once; re-read it")
+    return {
+        "default_block_size": CacheConfig.DEFAULT_BLOCK_SIZE,
+        "kv_cache_dtypes": list(KV_CACHE_DTYPES),
+        "null_blocks": 1,
+        "null_block_source": {"file": rel, "line": where[0], "text": evidence},
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    import vllm  # the package must import; its location is the source we read
+
+    site = Path(vllm.__file__).resolve().parent.parent
+    meta = {
+        "vllm_version": importlib.metadata.version("vllm"),
+        "torch_version": importlib.metadata.version("torch"),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "generated_by": "hack/vllm-snapshot/run.sh " + importlib.metadata.version("vllm"),
+    }
+    docs = {
+        "cli.json": {**meta, **cli_snapshot()},
+        "formats.json": {**meta, "messages": {**python_messages(site), **library_messages(site)}},
+        "engine.json": {**meta, **engine_facts(site)},
+    }
+    for name, doc in docs.items():
+        (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()

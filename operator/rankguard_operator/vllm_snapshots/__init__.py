@@ -1,0 +1,121 @@
+"""Recorded snapshots of real vLLM releases: the one source of every fact rankguard knows about vLLM.
+
+Each folder `<version>/` holds what `hack/vllm-snapshot/run.sh <version>` read out of the real
+package (never typed by hand):
+
+- `cli.json`: every `vllm serve` option from vLLM's own parser object: its spellings (hidden
+  aliases included), kind, nargs, type, choices and default;
+- `formats.json`: the log and error messages the agent recognises, with the file:line they
+  come from (vLLM's Python source, or torch's shared libraries for the allocator's messages);
+- `engine.json`: KV facts (the null block the block pool holds back, the default block size,
+  the KV cache dtypes vLLM knows).
+
+The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
+simulated vLLM builds its parser from them, and the tests render real lines from them.
+
+Reading: `load(version)`, cached; `for_engine(version)` picks the snapshot for an engine
+version that may be unknown (the nearest older one, saying so).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+class SnapshotError(LookupError):
+    """No snapshot at all, or a version string that is not a version."""
+
+
+def version_key(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of `0.33.0`, `v0.33.0`, `0.33.0rc1`, `0.33.0+cu129`; None if not a version."""
+    m = _VERSION.match(version.strip())
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: str
+    cli: dict[str, Any]
+    formats: dict[str, Any]
+    engine: dict[str, Any]
+
+    def messages(self, key: str) -> list[dict[str, Any]]:
+        """The recorded messages for one recogniser key (see formats.json), [] if none."""
+        found: list[dict[str, Any]] = self.formats["messages"].get(key, [])
+        return found
+
+    @property
+    def null_blocks(self) -> int:
+        return int(self.engine["null_blocks"])
+
+    @property
+    def default_block_size(self) -> int:
+        return int(self.engine["default_block_size"])
+
+
+@cache
+def versions() -> tuple[str, ...]:
+    """Every recorded version, oldest first."""
+    root = resources.files(__name__)
+    found = [p.name for p in root.iterdir() if p.is_dir() and version_key(p.name) is not None]
+    if not found:
+        raise SnapshotError("no vLLM snapshot is installed with rankguard_operator (package data missing)")
+    return tuple(sorted(found, key=lambda v: version_key(v) or (0, 0, 0)))
+
+
+@cache
+def load(version: str) -> Snapshot:
+    if version not in versions():
+        raise SnapshotError(f"no snapshot for vLLM {version}; recorded: {', '.join(versions())}")
+    folder = resources.files(__name__) / version
+
+    def read(name: str) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads((folder / name).read_text(encoding="utf-8"))
+        return doc
+
+    return Snapshot(version, read("cli.json"), read("formats.json"), read("engine.json"))
+
+
+def latest() -> Snapshot:
+    return load(versions()[-1])
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot used for an engine, and why. `note` is None when the version was recorded."""
+
+    snapshot: Snapshot
+    note: str | None = None
+
+
+def for_engine(version: str | None) -> Choice:
+    """The snapshot whose rules apply to an engine reporting `version`.
+
+    Exact match when recorded; otherwise the nearest older snapshot (vLLM's CLI and messages
+    change slowly, and an older snapshot errs on refusing a new flag rather than missing an
+    old one); the oldest when the engine predates them all; the newest when the version is
+    absent or unreadable. Never raises for a bad version: the note says what was assumed."""
+    known = versions()
+    if version is None or not version.strip():
+        return Choice(load(known[-1]), None)
+    key = version_key(version)
+    if key is None:
+        return Choice(
+            load(known[-1]), f"engine version {version!r} is not a version; using vLLM {known[-1]}'s rules"
+        )
+    exact = [v for v in known if version_key(v) == key]
+    if exact:
+        return Choice(load(exact[0]), None)
+    older = [v for v in known if (version_key(v) or (0, 0, 0)) < key]
+    chosen = older[-1] if older else known[0]
+    return Choice(
+        load(chosen),
+        f"no snapshot for vLLM {version}; using the nearest {'older' if older else 'oldest'} one ({chosen})",
+    )
