@@ -112,7 +112,7 @@ def service_doc(name: str) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-            "image": "vllm/vllm-openai:v0.11.0",
+            "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
             "memory": {"gpuMemoryBytes": 80 * GIB},
@@ -149,7 +149,7 @@ def oom_status(pod_name: str) -> dict[str, Any]:
             "containerStatuses": [
                 {
                     "name": "vllm",
-                    "image": "vllm/vllm-openai:v0.11.0",
+                    "image": "vllm/vllm-openai:v0.33.0",
                     "imageID": "",
                     "ready": False,
                     "started": False,

@@ -35,7 +35,7 @@ def minimal(name: str = "svc") -> dict[str, Any]:
         "apiVersion": "rankguard.io/v1alpha1",
         "kind": "LLMService",
         "metadata": {"name": name},
-        "spec": {"model": {"name": "meta-llama/Meta-Llama-3-8B"}, "image": "vllm/vllm-openai:v0.11.0"},
+        "spec": {"model": {"name": "meta-llama/Meta-Llama-3-8B"}, "image": "vllm/vllm-openai:v0.33.0"},
     }
 
 

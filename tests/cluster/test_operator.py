@@ -49,7 +49,7 @@ SCRAPE_INTERVAL = 0.5
 # "Nothing happened" must mean the loop looked: this many passes after the event in question.
 QUIET_PASSES = 4
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
-IMAGE = "vllm/vllm-openai:v0.11.0"
+IMAGE = "vllm/vllm-openai:v0.33.0"
 SERVICE_LABEL = "rankguard.io/llmservice"
 HOLD_FINALIZER = "rankguard.io/test-graceful-termination"
 SMP = "application/strategic-merge-patch+json"

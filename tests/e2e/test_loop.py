@@ -81,7 +81,7 @@ def test_pipeline_terminal_rank_is_the_bottleneck_and_the_budget_follows_it(
         "metadata": {"name": "pp"},
         "spec": {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-            "image": "vllm/vllm-openai:v0.11.0",
+            "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
             "pipelineParallelSize": 2,
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
@@ -123,7 +123,7 @@ def test_oomkilled_raises_the_memory_limit_until_running(
         "metadata": {"name": "hostmem"},
         "spec": {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-            "image": "vllm/vllm-openai:v0.11.0",
+            "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 1,
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 256},
             "memory": {"gpuMemoryBytes": 85060306944},

@@ -13,7 +13,6 @@ import yaml
 
 from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS, resolve_model
 from rankguard_operator.core.planner import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SAFETY_MARGIN_BYTES,
@@ -282,7 +281,7 @@ def test_defaults_agree_with_the_planner() -> None:
     engine = SPEC["properties"]["engine"]["properties"]
     assert engine["maxNumSeqs"]["default"] == DEFAULT_MAX_NUM_SEQS
     assert engine["maxNumBatchedTokens"]["default"] == DEFAULT_MAX_NUM_BATCHED_TOKENS
-    assert engine["blockSize"]["default"] == DEFAULT_BLOCK_SIZE
+    assert "default" not in engine["blockSize"]  # unset: vLLM picks it per attention backend
     assert set(engine["logitsMode"]["enum"]) == set(LOGITS_MODES)
     assert engine["logitsMode"]["default"] == PlanInput.__dataclass_fields__["logits_mode"].default
     memory = SPEC["properties"]["memory"]["properties"]

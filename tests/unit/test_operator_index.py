@@ -16,7 +16,7 @@ from rankguard_operator.edge.handlers import service_key, serving_pods
 SPEC = parse_spec(
     {
         "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-        "image": "vllm/vllm-openai:v0.11.0",
+        "image": "vllm/vllm-openai:v0.33.0",
         "memory": {"gpuMemoryBytes": 80 * GiB},
     }
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -36,7 +36,7 @@ SETTINGS = reconcile.Settings(agent_image="agent:test", stale_after=30.0)
 T0 = 1_800_000_000.0
 SPEC: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-    "image": "vllm/vllm-openai:v0.11.0",
+    "image": "vllm/vllm-openai:v0.33.0",
     "tensorParallelSize": 2,
     "engine": {"maxModelLen": 8192},
     "memory": {"gpuMemoryBytes": 80 * GiB},
@@ -452,3 +452,39 @@ def test_pods_of_a_long_named_service_are_found_under_the_index_key(name: str) -
     assert pod_labels["rankguard.io/llmservice"] == label_value(name)
     assert len(label_value(name)) <= 63
     assert deployment_template_hash(apply.body) is not None
+
+
+def _vllm_argv(deployment: Mapping[str, Any]) -> list[str]:
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    return list(command[command.index("vllm") + 1 :])
+
+
+def test_without_gpu_memory_bytes_the_gpu_size_is_learned_and_the_startup_check_fits() -> None:
+    """Nobody types the GPU's size: the agents' first report gives it, status keeps it, and the
+    byte budget that follows is rendered with a start-up utilisation that fits the card."""
+    c = Cluster()
+    del c.spec["memory"]
+    c.run()
+    assert c.deployment is not None
+    assert "--kv-cache-memory-bytes" not in _vllm_argv(c.deployment)  # no size, no plan yet
+    c.controller_done()
+    small = 24 * GiB
+
+    def small_card_report(at: float) -> Report:
+        r = report((12 * GiB, 12 * GiB), at)
+        return replace(
+            r, ranks=[replace(s, total_bytes=small, used_bytes=small - s.free_bytes) for s in r.ranks]
+        )
+
+    pod_name = c.pods[0]["metadata"]["name"]
+    for _ in range(3):
+        c.run(reports=((pod_name, small_card_report(c.clock), c.clock),))
+        c.controller_done()
+    assert c.status["gpuMemoryBytes"] == small
+    argv = _vllm_argv(c.deployment)
+    assert "--kv-cache-memory-bytes" in argv, argv
+    util = float(argv[argv.index("--gpu-memory-utilization") + 1])
+    kv = int(argv[argv.index("--kv-cache-memory-bytes") + 1])
+    assert kv / small < util < 0.92  # what vLLM will use, not its default 0.92 of the card
+    # the learned size survives a restart of the operator: it is read back from status
+    assert c.state().gpu_memory_bytes == small

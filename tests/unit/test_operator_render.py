@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.engine_rules import rules_for_image
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
-from rankguard_operator.core.owned_flags import OWNED_FLAGS, conflicting_flags, extra_args_conflicts
+from rankguard_operator.core.owned_flags import owned_spellings
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
 from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
@@ -20,7 +21,7 @@ from rankguard_operator.core.units import GiB
 
 BASE: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-70B"},
-    "image": "vllm/vllm-openai:v0.11.0",
+    "image": "vllm/vllm-openai:v0.33.0",
     "tensorParallelSize": 4,
     "engine": {"maxModelLen": 8192, "extraArgs": ["--enable-prefix-caching"]},
     "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"cpu": "16", "memory": "96Gi"}},
@@ -87,7 +88,6 @@ EXPECTED_COMMAND = [
     "--max-num-seqs", "256",
     "--max-model-len", "8192",
     "--max-num-batched-tokens", "8192",
-    "--block-size", "16",
     "--dtype", "auto",
     "--kv-cache-dtype", "auto",
     "--host", "$(POD_IP)", "--port", "8000",
@@ -144,7 +144,7 @@ def expected_deployment(hash_: str) -> dict[str, Any]:
                     "containers": [
                         {
                             "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.11.0",
+                            "image": "vllm/vllm-openai:v0.33.0",
                             "command": EXPECTED_COMMAND,
                             "env": [
                                 {"name": "PYTHONPATH", "value": "/opt/rankguard/agent"},
@@ -255,7 +255,6 @@ def test_vllm_args_with_utilisation_pp_and_eager() -> None:
         "--gpu-memory-utilization", "0.92",
         "--max-num-seqs", "64",
         "--max-num-batched-tokens", "8192",
-        "--block-size", "16",
         "--dtype", "auto",
         "--kv-cache-dtype", "fp8",
         "--enforce-eager",
@@ -376,43 +375,11 @@ def test_hash_changes_with_every_real_change(other: Any) -> None:
 # --- extraArgs ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("args", "flags"),
-    [
-        (["--kv-cache-memory-bytes=1"], ["--kv-cache-memory-bytes"]),
-        (["--kv_cache_memory_bytes", "1"], ["--kv-cache-memory-bytes"]),
-        (["--max-model-len 4096"], ["--max-model-len"]),  # one item with a space
-        (["-tp", "8", "--pp=2"], ["-tp", "-pp"]),
-        (["--no-enforce-eager"], ["--no-enforce-eager"]),
-        (["--max-model"], ["--max-model-len"]),  # argparse's unambiguous prefix
-        (["--num-gpu-blocks-override", "100"], ["--num-gpu-blocks-override"]),
-        (["--port", "9000", "--host=0.0.0.0"], ["--port", "--host"]),
-        (["--model", "x", "--model=y"], ["--model"]),
-        (["--enable-prefix-caching", "--served-model-name", "llama", "--seed", "-1"], []),
-        (["--max-num"], []),  # ambiguous prefix: vLLM refuses it itself
-        (["--model-impl", "vllm", "-O3", "-q", "awq"], []),
-    ],
-)
-def test_conflicting_flags(args: list[str], flags: list[str]) -> None:
-    assert conflicting_flags(args) == flags
-    assert len(extra_args_conflicts(args)) == len(flags)
-
-
-def test_conflict_messages_name_the_spec_field_or_say_remove() -> None:
-    msgs = extra_args_conflicts(["--gpu-memory-utilization", "0.5", "--port", "1"])
-    assert msgs == [
-        "spec.engine.extraArgs sets --gpu-memory-utilization, which rankguard owns; "
-        "use spec.memory.gpuMemoryUtilization instead",
-        "spec.engine.extraArgs sets --port, which rankguard owns (vLLM must listen on $(POD_IP):8000 "
-        "for the Service and the probes); remove it",
-    ]
-
-
 def test_every_flag_rankguard_renders_is_owned() -> None:
     s = spec_of(pipelineParallelSize=2, engine={"maxModelLen": 8192, "enforceEager": True})
     for flags in (ServingFlags(kv_cache_memory_bytes=KV), ServingFlags(gpu_memory_utilization=0.9)):
         rendered = [a for a in vllm_args(s, flags, prior_plan(s)) if a.startswith("--")]
-        assert set(rendered) <= set(OWNED_FLAGS)
+        assert set(rendered) <= set(owned_spellings(rules_for_image(s.image).cli))
 
 
 def test_the_agent_accepts_the_command_rankguard_renders() -> None:

@@ -21,7 +21,7 @@ def small_cards(**memory: Any) -> Any:
     return parse_spec(
         {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-            "image": "vllm/vllm-openai:v0.11.0",
+            "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
             "pipelineParallelSize": 2,
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
@@ -63,7 +63,7 @@ def test_it_is_rendered_next_to_the_byte_budget_and_only_there() -> None:
 
 def test_unknown_gpu_size_leaves_vllms_default() -> None:
     spec = parse_spec(
-        {"model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"}, "image": "vllm/vllm-openai:v0.11.0"}
+        {"model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"}, "image": "vllm/vllm-openai:v0.33.0"}
     )
     assert startup_utilization(prior_plan(spec), 8 * GiB) is None
     assert "--gpu-memory-utilization" not in vllm_args(
@@ -75,7 +75,7 @@ def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
     spec = parse_spec(
         {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
-            "image": "vllm/vllm-openai:v0.11.0",
+            "image": "vllm/vllm-openai:v0.33.0",
             "memory": {"gpuMemoryBytes": 80 * GiB},
         }
     )

@@ -31,7 +31,7 @@ from rankguard_operator.core.units import GiB, MiB
 SPEC = parse_spec(
     {
         "model": {"name": "meta-llama/Meta-Llama-3-70B"},
-        "image": "vllm/vllm-openai:v0.11.0",
+        "image": "vllm/vllm-openai:v0.33.0",
         "tensorParallelSize": 4,
         "engine": {"maxModelLen": 8192},
         "memory": {"gpuMemoryBytes": 80 * GiB},

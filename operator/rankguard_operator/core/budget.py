@@ -15,11 +15,19 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from rankguard_operator.core.headroom import Observation, gpu_totals
 from rankguard_operator.core.models import ModelShape
-from rankguard_operator.core.planner import Plan, PlanError, PlanInput, RankMeasurement, make_plan
+from rankguard_operator.core.planner import (
+    DEFAULT_BLOCK_SIZE,
+    Plan,
+    PlanError,
+    PlanInput,
+    RankMeasurement,
+    make_plan,
+)
 from rankguard_operator.core.spec import ServiceSpec, SpecError, resolve_shape
 from rankguard_operator.core.units import MiB
 
@@ -71,7 +79,7 @@ def plan_input(
         pp=spec.pp,
         dtype=e.dtype,
         kv_cache_dtype=e.kv_cache_dtype,
-        block_size=e.block_size,
+        block_size=e.block_size or DEFAULT_BLOCK_SIZE,
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len,
@@ -219,11 +227,26 @@ def startup_utilization(plan: Plan | None, kv_cache_memory_bytes: int) -> float 
     return min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)
 
 
-def prior_plan(spec: ServiceSpec) -> Plan | None:
-    """The plan from the spec alone (priors, spec.memory.gpuMemoryBytes): what rendering sizes
-    its start-up utilisation and probe from. None while one GPU's size is unknown; raises
-    SpecError when the spec cannot be planned."""
+def prior_plan(spec: ServiceSpec, learned_gpu_bytes: int | None = None) -> Plan | None:
+    """The plan from the spec and priors: what rendering sizes its start-up utilisation and
+    probe from. One GPU's size is spec.memory.gpuMemoryBytes when set (an override), else the
+    size the agents measured once and status keeps (`learned_gpu_bytes`), so nobody has to
+    type their GPU's size. None while neither is known; raises SpecError when the spec cannot
+    be planned."""
+    if spec.memory.gpu_memory_bytes is None and learned_gpu_bytes is not None:
+        spec = replace(spec, memory=replace(spec.memory, gpu_memory_bytes=learned_gpu_bytes))
     return initial_plan(spec)
+
+
+def learned_gpu_bytes(observation: Observation | None, world_size: int) -> int | None:
+    """One GPU's total as the agents measure it (NVML), once every rank of a replica has said:
+    the smallest total, so a mixed node plans for its smallest card. None until then."""
+    if observation is None:
+        return None
+    totals = {r.rank: r.total_bytes for r in observation.fresh_ranks if r.total_bytes}
+    if len(totals) < world_size:
+        return None
+    return min(totals.values())
 
 
 def measured_plan(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.models import ModelShape
 from rankguard_operator.core.units import GiB, MiB
 
@@ -20,9 +21,14 @@ LogitsMode = Literal["gather", "all-gather"]
 LOGITS_MODES: tuple[str, ...] = ("gather", "all-gather")
 
 # --------------------------------------------------------------------------------------------
-# Defaults (rankguard always renders these flags explicitly, so plan and engine agree)
+# Defaults. The KV facts come from the recorded vLLM snapshot (engine.json), not from memory.
 
-DEFAULT_BLOCK_SIZE = 16  # the facts: "block_size 16"
+# vLLM's block size when --block-size is not given (CacheConfig.DEFAULT_BLOCK_SIZE); rankguard
+# renders --block-size only when the spec sets it, so vLLM's own choice stands otherwise.
+DEFAULT_BLOCK_SIZE = vllm_snapshots.latest().default_block_size
+# Blocks the block pool holds back for good (vLLM >= 0.33's "null block", reserved before the
+# too-small check): a budget must hold one request's blocks PLUS these, or vLLM refuses to start.
+NULL_BLOCKS = vllm_snapshots.latest().null_blocks
 DEFAULT_MAX_NUM_SEQS = 256  # the facts: vLLM's default is 256 or 1024 by GPU size; we pass it explicitly
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1's chunked-prefill default for online serving
 DEFAULT_SAFETY_MARGIN_BYTES = 512 * MiB  # rankguard's default; room for transients the priors miss
@@ -221,12 +227,12 @@ def min_budget_for_one_request(
     pp_layer_partition: Sequence[int] | None = None,
 ) -> int:
     """The smallest --kv-cache-memory-bytes with which every rank still holds the blocks of one
-    request at max_model_len (below it vLLM refuses to start: "To serve at least one request
-    with the models's max seq len ... KV cache is needed"). The operator's shrink floor."""
+    request at max_model_len plus the null block(s) the pool holds back (below it vLLM refuses
+    to start with its kv_too_small message). The operator's shrink floor."""
     mml = resolve_max_model_len(shape, max_model_len)
     stages = stage_layers(shape, pp, pp_layer_partition)
     per_token = max(kv_bytes_per_token(shape, tp, kv_cache_dtype, dtype=dtype, layers=n) for n in stages)
-    return blocks_per_request(mml, block_size) * block_size * per_token
+    return (blocks_per_request(mml, block_size) + NULL_BLOCKS) * block_size * per_token
 
 
 def capacity_for_budget(

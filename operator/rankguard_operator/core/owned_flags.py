@@ -1,8 +1,15 @@
-"""The vLLM flags rankguard owns, and the check that refuses extraArgs fighting them.
+"""The vLLM options rankguard owns, and the check of a spec's extraArgs against vLLM's own CLI.
 
-rankguard renders these flags itself (the budget, the split, the engine fields of the spec,
-the listen address); an extraArgs item that sets one would silently override what rankguard
-manages, so the spec is refused with the field to use instead.
+rankguard renders these options itself (the budget, the split, the engine fields of the spec,
+the listen address). They are named by vLLM's `dest` (the config field), and every spelling of
+each comes from the vLLM snapshot (`--gpu-memory-utilization` and its alias
+`--device-memory-utilization`, `--enforce-eager` and `--no-enforce-eager`, `-tp`…), so a new
+alias in a new vLLM is owned the day its snapshot is recorded. `--config FILE` is refused: a
+file could set any owned option behind the operator's back, and the operator cannot read it.
+
+Every other extraArgs item is read as vLLM would read it (core/vllm_cli.py): an unknown flag,
+a missing or mistyped value, a `"--max-num-seqs 64"` written as one item are refused with the
+item named, before anything is deployed.
 
 Pure: no I/O.
 """
@@ -12,86 +19,79 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankguard_operator.core.names import VLLM_HTTP_PORT
+from rankguard_operator.core.vllm_cli import VllmCli
 
-# --------------------------------------------------------------------------------------------
-# Flags rankguard owns. Value: the spec field to use instead (None: not user-settable at all).
-
-_OWNED: dict[str, str | None] = {
-    "--model": "spec.model.name",
-    "--tensor-parallel-size": "spec.tensorParallelSize",
-    "-tp": "spec.tensorParallelSize",
-    "--pipeline-parallel-size": "spec.pipelineParallelSize",
-    "-pp": "spec.pipelineParallelSize",
-    "--kv-cache-memory-bytes": "spec.memory.kvCacheMemoryBytes",
-    "--gpu-memory-utilization": "spec.memory.gpuMemoryUtilization",
+# vLLM dest -> the spec field to use instead (None: not user-settable at all).
+OWNED: dict[str, str | None] = {
+    "model": "spec.model.name",
+    "tensor_parallel_size": "spec.tensorParallelSize",
+    "pipeline_parallel_size": "spec.pipelineParallelSize",
+    "kv_cache_memory_bytes": "spec.memory.kvCacheMemoryBytes",
+    "gpu_memory_utilization": "spec.memory.gpuMemoryUtilization",
     # A block-count override silently defeats the per-GPU byte budget rankguard manages.
-    "--num-gpu-blocks-override": "spec.memory.kvCacheMemoryBytes",
-    "--max-num-seqs": "spec.engine.maxNumSeqs",
-    "--max-model-len": "spec.engine.maxModelLen",
-    "--max-num-batched-tokens": "spec.engine.maxNumBatchedTokens",
-    "--block-size": "spec.engine.blockSize",
-    "--dtype": "spec.engine.dtype",
-    "--kv-cache-dtype": "spec.engine.kvCacheDtype",
-    "--enforce-eager": "spec.engine.enforceEager",
-    "--no-enforce-eager": "spec.engine.enforceEager",  # vLLM's BooleanOptionalAction spelling
-    "--host": None,
-    "--port": None,
+    "num_gpu_blocks_override": "spec.memory.kvCacheMemoryBytes",
+    "max_num_seqs": "spec.engine.maxNumSeqs",
+    "max_model_len": "spec.engine.maxModelLen",
+    "max_num_batched_tokens": "spec.engine.maxNumBatchedTokens",
+    "block_size": "spec.engine.blockSize",
+    "dtype": "spec.engine.dtype",
+    "kv_cache_dtype": "spec.engine.kvCacheDtype",
+    "enforce_eager": "spec.engine.enforceEager",
+    # One pod is one data-parallel replica of tp×pp GPUs; more replicas are spec.replicas.
+    "data_parallel_size": "spec.replicas",
+    "host": None,
+    "port": None,
+    "config": None,
 }
-OWNED_FLAGS: tuple[str, ...] = tuple(_OWNED)
-_LONG_OWNED = tuple(f for f in OWNED_FLAGS if f.startswith("--"))
-_OWNED_BY_NAME = {f.lstrip("-"): f for f in OWNED_FLAGS}
 
 
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
+def owned_spellings(cli: VllmCli) -> dict[str, str]:
+    """Every spelling of every owned option in this vLLM -> its dest."""
+    return {s: dest for dest in OWNED for s in cli.spellings(dest)}
 
 
-def _canonical(word: str) -> str | None:
-    """The owned flag `word` sets, or None. vLLM's parser treats `_` and `-` alike in flag
-    names (`--max_model_len`), takes `--flag=value`, and argparse accepts unambiguous prefixes
-    of long flags (`--max-model`), so all of those count; so do one-dash long names and
-    two-dash short ones (`-dtype`, `--tp`), which the CRD's own rule refuses too."""
-    if not word.startswith("-") or _is_number(word):
-        return None
-    name = word.split("=", 1)[0].lstrip("-").replace("_", "-")
-    if not name:
-        return None
-    if name in _OWNED_BY_NAME:
-        return _OWNED_BY_NAME[name]
-    if word.startswith("--") and len(name) > 2:
-        prefixed = [f for f in _LONG_OWNED if f[2:].startswith(name)]
-        if len(prefixed) == 1:
-            return prefixed[0]
-    return None
+def _owned_message(dest: str, key: str, name: str) -> str:
+    flag = key if key == name else f"{key} (vLLM reads it as {name})"
+    instead = OWNED[dest]
+    if dest == "config":
+        return (
+            f"{flag} is refused: a config file can set options rankguard manages (the KV budget, "
+            "the split) where the operator cannot see them; put its settings in extraArgs and the "
+            "spec fields instead"
+        )
+    if instead is None:
+        return (
+            f"{flag} is owned by rankguard (vLLM must listen on $(POD_IP):{VLLM_HTTP_PORT} for "
+            "the Service and the probes); remove it"
+        )
+    return f"{flag} is owned by rankguard; use {instead} instead"
 
 
-def conflicting_flags(extra_args: Sequence[str]) -> list[str]:
-    """Owned flags (canonical spelling, first occurrence order) that `extra_args` sets."""
-    found: list[str] = []
-    for arg in extra_args:
-        # People write ["--max-model-len 4096"] as one item; vLLM would choke on it, and it
-        # must not slip past this check either, so every word is looked at.
-        for word in arg.split():
-            flag = _canonical(word)
-            if flag is not None and flag not in found:
-                found.append(flag)
-    return found
+def check_extra_args(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
+    """One actionable sentence per problem with `extra_args` for this vLLM; empty when all is well.
 
-
-def extra_args_conflicts(extra_args: Sequence[str]) -> list[str]:
-    """One actionable sentence per owned flag that `extra_args` sets; empty when all is well."""
+    Owned options come first (they are the ones a person must move into the spec); an owned
+    item's own value problems are left out, since the item has to go anyway."""
+    words, problems = cli.walk(extra_args)
+    seen: set[str] = set()
+    owned_at: set[int] = set()
     messages = []
-    for flag in conflicting_flags(extra_args):
-        instead = _OWNED[flag]
-        if instead is None:
-            messages.append(
-                f"spec.engine.extraArgs sets {flag}, which rankguard owns (vLLM must listen on "
-                f"$(POD_IP):{VLLM_HTTP_PORT} for the Service and the probes); remove it"
-            )
-        else:
-            messages.append(f"spec.engine.extraArgs sets {flag}, which rankguard owns; use {instead} instead")
-    return messages
+    for i, word in words:
+        o = word.option
+        if o is not None and o.dest in OWNED:
+            owned_at.add(i)
+            if o.dest not in seen:
+                seen.add(o.dest)
+                messages.append(f"[{i}] " + _owned_message(o.dest, word.key, o.name))
+    messages += [p for p in problems if not any(p.startswith(f"[{i}] ") for i in owned_at)]
+    return [f"spec.engine.extraArgs{m}" for m in messages]
+
+
+def conflicting_flags(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
+    """The owned options `extra_args` sets, by their usual spelling, in order of first use."""
+    found: list[str] = []
+    for _, word in cli.walk(extra_args)[0]:
+        o = word.option
+        if o is not None and o.dest in OWNED and o.name not in found:
+            found.append(o.name)
+    return found

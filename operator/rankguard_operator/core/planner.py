@@ -57,6 +57,7 @@ from rankguard_operator.core.memory_model import (
     LOGITS_BYTES_PER_VALUE,
     LOGITS_MODES,
     NCCL_PRIOR_BYTES,
+    NULL_BLOCKS,
     PP_TERMINAL_COMM_PRIOR_BYTES,
     SAMPLER_FP32_COPIES,
     Capacity,
@@ -425,7 +426,7 @@ def make_plan(inp: PlanInput) -> Plan:
         )
 
     cap, naive_cap = capacity(budget), capacity(naive)
-    floor = blocks_per_request(mml, inp.block_size) * block_unit
+    floor = (blocks_per_request(mml, inp.block_size) + NULL_BLOCKS) * block_unit  # + the null block
 
     # vLLM sizes KV as util × total − (what it measures: non-KV minus context), per rank, and
     # refuses to start when util × total exceeds free memory after init (the facts).

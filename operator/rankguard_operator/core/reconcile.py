@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from rankguard_agent.report import Report
 from rankguard_operator.core import observe, policy, render, status
-from rankguard_operator.core.budget import budget_key, measured_plan, prior_plan
+from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyDeployment,
@@ -192,7 +192,7 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     """One pass: finish a pending remediation, observe, decide, act, report."""
     try:
         spec = parse_spec(world.spec)
-        prior = prior_plan(spec)
+        prior = prior_plan(spec, state.gpu_memory_bytes)
     except SpecError as e:
         return invalid_spec(state, world, str(e))
     return _Pass(state, world, settings, spec, prior).run()
@@ -278,6 +278,12 @@ class _Pass:
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         try:
             plan = measured_plan(spec, observation)
+            learned = learned_gpu_bytes(observation, spec.world_size)
+            if learned is not None and learned != state.gpu_memory_bytes:
+                # the GPU's size, measured: from now on the prior plan (start-up utilisation,
+                # probe sizes) stands on it even when the spec does not give it
+                self.updates["gpuMemoryBytes"] = learned
+                self.prior = prior_plan(spec, learned)
         except SpecError as e:
             return invalid_spec(state, w, str(e))
         decision = policy.decide(

@@ -86,11 +86,12 @@ def vllm_args(spec: ServiceSpec, flags: ServingFlags, plan: Plan | None) -> list
     args += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]
+    args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.block_size is not None:
+        # only when asked: vLLM picks the block size per attention backend otherwise, and a
+        # forced size can conflict with the backend (8 with FlashAttention)
+        args += ["--block-size", str(e.block_size)]
     args += [
-        "--max-num-batched-tokens",
-        str(e.max_num_batched_tokens),
-        "--block-size",
-        str(e.block_size),
         "--dtype",
         e.dtype,
         "--kv-cache-dtype",

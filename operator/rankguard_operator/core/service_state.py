@@ -73,6 +73,7 @@ class ServiceState:
     low_headroom_since: float | None = None
     ample_headroom_since: float | None = None
     budget_key: str | None = None
+    gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
     service_applied: bool = False
     observed_generation: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -94,7 +95,12 @@ class ServiceState:
             low_headroom_since=_float(s.get("lowHeadroomSince")),
             ample_headroom_since=_float(s.get("ampleHeadroomSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
+            gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
             raw=s,
         )
+
+
+def _positive_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -6,8 +6,9 @@ so a reader can hold it against crds/llmservice.yaml; the field readers live in 
 The API server already validates and defaults the spec (crds/llmservice.yaml, OpenAPI +
 CEL), but the operator must not trust that alone: it can run against an older CRD, and tests
 and the CLI build specs by hand. So `parse_spec` applies the same defaults and checks the same
-rules, plus one the CRD's regex cannot express exactly (extraArgs that fight the flags
-rankguard owns, in every spelling vLLM accepts). Every `SpecError` names the field and says
+rules, plus one the CRD's regex cannot express exactly: extraArgs read as the image's vLLM
+reads them (its recorded CLI), so an unknown flag, a bad value or an owned flag in any
+spelling is refused before anything is deployed. Every `SpecError` names the field and says
 what to change.
 
 Pure: no I/O (a ConfigMap holding config.json is read by the caller and passed in).
@@ -19,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankguard_operator.core.engine_rules import rules_for_image
 from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, ModelShape, resolve_model
 from rankguard_operator.core.names import VLLM_HTTP_PORT
-from rankguard_operator.core.owned_flags import extra_args_conflicts
+from rankguard_operator.core.owned_flags import check_extra_args
 from rankguard_operator.core.planner import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SAFETY_MARGIN_BYTES,
@@ -85,7 +86,7 @@ class EngineSpec:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None  # None: vLLM picks it per attention backend; not rendered
     enforce_eager: bool = False
     logits_mode: str = "all-gather"
     extra_args: tuple[str, ...] = ()
@@ -220,9 +221,6 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
         raise SpecError("spec.engine.extraArgs must be a list of strings, e.g. ['--enable-prefix-caching']")
     if len(raw_extra) > 64:
         raise SpecError(f"spec.engine.extraArgs has {len(raw_extra)} entries; at most 64 are allowed")
-    conflicts = extra_args_conflicts(raw_extra)
-    if conflicts:
-        raise SpecError("; ".join(conflicts))
     return EngineSpec(
         max_num_seqs=max_num_seqs,
         max_model_len=int_field(e, "maxModelLen", w, None, lo=1, hi=100_000_000),
@@ -236,9 +234,9 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
     )
 
 
-def _block_size(e: Mapping[str, Any]) -> int:
-    v = required_int(e, "blockSize", "spec.engine", DEFAULT_BLOCK_SIZE, lo=1)
-    if v not in BLOCK_SIZES:
+def _block_size(e: Mapping[str, Any]) -> int | None:
+    v = int_field(e, "blockSize", "spec.engine", None, lo=1)
+    if v is not None and v not in BLOCK_SIZES:
         raise SpecError(
             f"spec.engine.blockSize must be one of {', '.join(map(str, BLOCK_SIZES))} tokens, got {v}"
         )
@@ -382,7 +380,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     model = _parse_model(spec)
     image = str_field(spec, "image", "spec", None)
     if image is None:
-        raise SpecError("spec.image is required: the vLLM image, e.g. vllm/vllm-openai:v0.11.0")
+        raise SpecError("spec.image is required: the vLLM image, e.g. vllm/vllm-openai:v0.33.0")
     tp = required_int(spec, "tensorParallelSize", "spec", 1, lo=1, hi=MAX_GPUS_PER_REPLICA)
     pp = required_int(spec, "pipelineParallelSize", "spec", 1, lo=1, hi=MAX_GPUS_PER_REPLICA)
     if tp * pp > MAX_GPUS_PER_REPLICA:
@@ -399,13 +397,19 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
             raise SpecError(f"spec.model: {exc}") from None
         check_split(shape, tp, pp)
     memory = _parse_memory(spec)
+    engine = _parse_engine(spec)
+    # extraArgs are read the way the image's vLLM reads them (its recorded CLI: every flag,
+    # alias and value type), so what vLLM would refuse is refused here, before a roll.
+    problems = check_extra_args(engine.extra_args, rules_for_image(image).cli)
+    if problems:
+        raise SpecError("; ".join(problems))
     return ServiceSpec(
         model=model,
         image=image,
         replicas=required_int(spec, "replicas", "spec", 1, lo=0, hi=1000),
         tp=tp,
         pp=pp,
-        engine=_parse_engine(spec),
+        engine=engine,
         memory=memory,
         remediation=_parse_remediation(spec, memory),
         agent=_parse_agent(spec),
