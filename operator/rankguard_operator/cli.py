@@ -3,6 +3,7 @@
     rankguard run                 run the operator (kopf; configured by RANKGUARD_* variables)
     rankguard plan --model meta-llama/Meta-Llama-3-70B --tp 8 --gpu-memory 80GiB \\
         --max-num-seqs 128 --logits gather [--json]
+    rankguard render -f llmservice.yaml [--check]   the Deployment and Service it would apply
     rankguard --version
 
 Exit codes: 0 a feasible plan; 1 a plan was computed but cannot serve one request at
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rankguard_operator import __version__
+from rankguard_operator.cli_render import RenderError, add_render
 from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, resolve_model
 from rankguard_operator.core.planner import (
     DEFAULT_BLOCK_SIZE,
@@ -177,6 +179,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(sub)
     _add_plan(sub)
+    add_render(sub)
     return parser
 
 
@@ -231,6 +234,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
+# (m) measured by rankguard; (e) the engine's own per-worker report
+_NON_KV_MARK: dict[str, str] = {"estimate": "", "engine": " (e)"}
+
 _COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
     ("STAGE", lambda r: str(r.pp_stage)),
     ("WEIGHTS", lambda r: format_bytes(r.weights_bytes)),
@@ -239,7 +245,7 @@ _COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
     ("ACTIVATIONS", lambda r: format_bytes(r.activation_bytes)),
     ("CTX+NCCL", lambda r: format_bytes(r.context_bytes) + ("" if r.context_source == "prior" else " (m)")),
     ("CUDA-GRAPHS", lambda r: format_bytes(r.cudagraph_bytes)),
-    ("NON-KV", lambda r: format_bytes(r.non_kv_bytes) + ("" if r.non_kv_source == "estimate" else " (m)")),
+    ("NON-KV", lambda r: format_bytes(r.non_kv_bytes) + _NON_KV_MARK.get(r.non_kv_source, " (m)")),
     ("SAFE-KV", lambda r: format_bytes(r.safe_kv_bytes)),
     ("HEADROOM", lambda r: format_bytes(r.headroom_bytes)),
 )
@@ -307,7 +313,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     func: Callable[[argparse.Namespace, TextIO], int] = args.func
     try:
         return func(args, sys.stdout)
-    except (CLIError, ModelError, PlanError) as exc:
+    except (CLIError, ModelError, PlanError, RenderError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS, resolve_model
+from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS
 from rankguard_operator.core.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -19,8 +20,8 @@ from rankguard_operator.core.planner import (
     LOGITS_MODES,
     PlanInput,
     kv_dtype_bytes,
-    make_plan,
 )
+from rankguard_operator.core.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "llmservice.yaml").read_text())
@@ -394,19 +395,9 @@ def test_example_fits_the_schema_and_plans() -> None:
     check_against_schema(spec, SPEC, "spec")
     assert spec["tensorParallelSize"] == 4
     assert "vllm/vllm-openai" in spec["image"]
-    engine, memory = spec["engine"], spec["memory"]
-    plan = make_plan(
-        PlanInput(
-            shape=resolve_model(spec["model"]["name"]),
-            gpu_memory_bytes=memory["gpuMemoryBytes"],
-            tp=spec["tensorParallelSize"],
-            max_num_seqs=engine["maxNumSeqs"],
-            max_num_batched_tokens=engine["maxNumBatchedTokens"],
-            max_model_len=engine["maxModelLen"],
-            logits_mode=engine["logitsMode"],
-            safety_margin_bytes=memory["safetyMarginBytes"],
-        )
-    )
+    # planned as the operator plans it (an A100 80 GB's size, when the example leaves it to the agents)
+    plan = prior_plan(parse_spec(spec), learned_gpu_bytes=84_974_239_416)
+    assert plan is not None
     assert plan.feasible
     assert plan.kv_cache_memory_bytes >= spec["remediation"]["minKVCacheBytes"]
 

@@ -58,6 +58,19 @@ def cuda_oom_record(rank: int = 0) -> dict[str, Any]:
     return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a status merge patch."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
 @dataclass
 class Cluster:
     """What the API server holds for one LLMService, changed only through effects."""
@@ -95,11 +108,7 @@ class Cluster:
         if isinstance(effect, reconcile.WriteIntent):
             self.status["pendingRemediation"] = dict(effect.pending)
         elif isinstance(effect, reconcile.WriteStatus):
-            for k, v in effect.patch.items():
-                if v is None:
-                    self.status.pop(k, None)
-                else:
-                    self.status[k] = copy.deepcopy(v)
+            self.status = merge_patch(self.status, effect.patch)
         elif isinstance(effect, reconcile.ApplyDeployment):
             self.applies.append(effect.body)
             self.deployment = reconcile.after_apply(self.deployment, copy.deepcopy(dict(effect.body)))
@@ -488,3 +497,77 @@ def test_without_gpu_memory_bytes_the_gpu_size_is_learned_and_the_startup_check_
     assert kv / small < util < 0.92  # what vLLM will use, not its default 0.92 of the card
     # the learned size survives a restart of the operator: it is read back from status
     assert c.state().gpu_memory_bytes == small
+
+
+def _with_engine(r: Report, *, version: str | None, rank0_others: int) -> Report:
+    """The report of a first start in utilisation mode: vLLM printed its per-worker memory report
+    (another CUDA context held `rank0_others` bytes on GPU 0 when the workers started)."""
+    from rankguard_agent.report import EngineMemory
+
+    def mem(rank: int) -> EngineMemory:
+        return EngineMemory(
+            consumed_bytes=9 * GiB,
+            peak_activation_bytes=2 * GiB,
+            cuda_graph_bytes=GiB // 2,
+            kv_in_use_bytes=60 * GiB,
+            free_at_start_bytes=80 * GiB - (rank0_others if rank == 0 else 0) - GiB // 4,
+            total_bytes=80 * GiB,
+            requested_bytes=int(80 * GiB * 0.92),
+        )
+
+    return replace(r, engine_version=version, ranks=[replace(s, engine_memory=mem(s.rank)) for s in r.ranks])
+
+
+def test_the_engines_own_report_tightens_the_plan_and_survives_a_restart_without_it() -> None:
+    c = running()
+    pod_name = c.pods[0]["metadata"]["name"]
+    before = c.state()
+    c.run(
+        reports=(
+            (
+                pod_name,
+                _with_engine(report((20 * GiB, 20 * GiB), c.clock), version="0.33.0", rank0_others=6 * GiB),
+                c.clock,
+            ),
+        )
+    )
+    engine = c.status["engine"]
+    assert (
+        engine["version"] == "0.33.0" and engine["versionSource"] == "agent" and engine["rules"] == "0.33.0"
+    )
+    rows = {r["rank"]: r for r in engine["ranks"]}
+    # others' 6.25 GiB on GPU 0 + 9 + 2 + 0.5 GiB of the worker's own: the engine's figure
+    assert rows[0]["nonKVBytes"] == 6 * GiB + GiB // 4 + 9 * GiB + 2 * GiB + GiB // 2
+    assert rows[1]["nonKVBytes"] == GiB // 4 + 9 * GiB + 2 * GiB + GiB // 2
+    rules = next(x for x in c.status["conditions"] if x["type"] == "EngineRules")
+    assert (rules["status"], rules["reason"]) == ("True", "Recorded")
+    assert before.engine_non_kv == {} and c.state().engine_non_kv == {
+        0: rows[0]["nonKVBytes"],
+        1: rows[1]["nonKVBytes"],
+    }
+    # the bottleneck's engine figure (others' memory on GPU 0 included) tightens the plan
+    from rankguard_operator.core.budget import measured_plan
+    from rankguard_operator.core.headroom import aggregate
+
+    obs = aggregate([(pod_name, report((20 * GiB, 20 * GiB), c.clock), c.clock)], c.clock, 30.0)
+    spec = parse_spec(SPEC)
+    with_engine = measured_plan(spec, obs, engine_non_kv=c.state().engine_non_kv)
+    without = measured_plan(spec, obs)
+    assert with_engine is not None and without is not None
+    assert with_engine.ranks[0].non_kv_source == "engine"
+    assert with_engine.kv_cache_memory_bytes < without.kv_cache_memory_bytes
+    # a later pod (byte budget: vLLM prints no report) keeps the figures from status
+    c.run(reports=((pod_name, report((20 * GiB, 20 * GiB), c.clock), c.clock),))
+    assert c.state().engine_non_kv[0] == rows[0]["nonKVBytes"]
+
+
+def test_an_unknown_engine_version_falls_back_to_the_nearest_snapshot_and_says_so() -> None:
+    c = running()
+    pod_name = c.pods[0]["metadata"]["name"]
+    r = _with_engine(report((20 * GiB, 20 * GiB), c.clock), version="0.99.1", rank0_others=0)
+    step = c.run(reports=((pod_name, r, c.clock),))
+    assert step.decision is not None  # the operator carries on
+    rules = next(x for x in c.status["conditions"] if x["type"] == "EngineRules")
+    assert (rules["status"], rules["reason"]) == ("False", "NearestSnapshot")
+    assert "0.99.1" in rules["message"] and "0.33.0" in rules["message"]
+    assert c.status["engine"]["rules"] == "0.33.0"

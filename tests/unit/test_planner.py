@@ -470,3 +470,19 @@ def test_vllm_flags() -> None:
     assert flags[flags.index("--kv-cache-dtype") + 1] == "fp8"
     assert "--enforce-eager" in flags
     assert "--gpu-memory-utilization" not in flags  # the explicit budget replaces it
+
+
+def test_the_engines_own_non_kv_figure_may_tighten_a_rank_never_loosen_it() -> None:
+    base = make_plan(plan70b())
+    r0 = base.ranks[0]
+    tighter = make_plan(
+        replace(plan70b(), measured=(RankMeasurement(rank=0, engine_non_kv_bytes=r0.non_kv_bytes + 2 * GiB),))
+    )
+    assert tighter.ranks[0].non_kv_source == "engine"
+    assert tighter.ranks[0].non_kv_bytes == r0.non_kv_bytes + 2 * GiB
+    assert tighter.kv_cache_memory_bytes < base.kv_cache_memory_bytes
+    looser = make_plan(
+        replace(plan70b(), measured=(RankMeasurement(rank=0, engine_non_kv_bytes=r0.non_kv_bytes - 2 * GiB),))
+    )
+    assert looser.ranks[0].non_kv_source == "estimate"
+    assert looser.kv_cache_memory_bytes == base.kv_cache_memory_bytes

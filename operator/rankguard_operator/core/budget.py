@@ -233,9 +233,14 @@ def prior_plan(spec: ServiceSpec, learned_gpu_bytes: int | None = None) -> Plan 
     size the agents measured once and status keeps (`learned_gpu_bytes`), so nobody has to
     type their GPU's size. None while neither is known; raises SpecError when the spec cannot
     be planned."""
+    return initial_plan(_with_gpu(spec, learned_gpu_bytes))
+
+
+def _with_gpu(spec: ServiceSpec, learned_gpu_bytes: int | None) -> ServiceSpec:
+    """The spec with the learned GPU size standing in where spec.memory.gpuMemoryBytes is unset."""
     if spec.memory.gpu_memory_bytes is None and learned_gpu_bytes is not None:
-        spec = replace(spec, memory=replace(spec.memory, gpu_memory_bytes=learned_gpu_bytes))
-    return initial_plan(spec)
+        return replace(spec, memory=replace(spec.memory, gpu_memory_bytes=learned_gpu_bytes))
+    return spec
 
 
 def learned_gpu_bytes(observation: Observation | None, world_size: int) -> int | None:
@@ -255,8 +260,16 @@ def measured_plan(
     *,
     shape: ModelShape | None = None,
     hf_config: Mapping[str, Any] | None = None,
+    learned_gpu_bytes: int | None = None,
+    engine_non_kv: Mapping[int, int] | None = None,
 ) -> Plan | None:
     """The plan the policy decides with: the planner's budget for `spec`, with each fresh rank's
     measured total and probe figures (from `observation`) replacing the priors. None while one
-    GPU's size is unknown. Raises SpecError when the spec cannot be planned."""
-    return initial_plan(spec, measured=gpu_totals(observation), shape=shape, hf_config=hf_config)
+    GPU's size is unknown (neither measured now, nor learned before, nor in the spec). Raises
+    SpecError when the spec cannot be planned."""
+    return initial_plan(
+        _with_gpu(spec, learned_gpu_bytes),
+        measured=gpu_totals(observation, engine_non_kv),
+        shape=shape,
+        hf_config=hf_config,
+    )

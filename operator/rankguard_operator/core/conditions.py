@@ -19,6 +19,7 @@ class Condition(str, Enum):
     DEGRADED = "Degraded"
     REMEDIATING = "Remediating"
     BUDGET_PLANNED = "BudgetPlanned"
+    ENGINE_RULES = "EngineRules"  # which recorded vLLM snapshot's rules apply (core/engine_status)
 
 
 class Phase(str, Enum):

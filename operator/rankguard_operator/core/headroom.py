@@ -17,14 +17,50 @@ Pure: no I/O, no clock (`now` is an argument).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rankguard_agent.recognisers import AVAILABLE_KV
-from rankguard_agent.report import Report
+from rankguard_agent.report import EngineMemory, Report
 from rankguard_operator.core.planner import RankMeasurement
 
 ReportInput = tuple[str, Report, float]  # (pod name, validated report, received_at epoch seconds)
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One rank's memory as vLLM's worker reported it at start-up ("Free memory on device ...
+    Actual usage is ..."), reduced to what the planner needs.
+
+    non_kv_bytes: everything on the device but the KV pool at the engine's worst profiled
+    moment: memory others held when the worker started (total − free at start: other CUDA
+    contexts on the GPU, e.g. the API server's on GPU 0) + the worker's own weights and
+    non-torch memory + peak activation + CUDA graphs."""
+
+    non_kv_bytes: int
+    consumed_bytes: int
+    peak_activation_bytes: int
+    cuda_graph_bytes: int
+    free_at_start_bytes: int
+    total_bytes: int
+
+
+def engine_figures(m: EngineMemory | None) -> EngineFigures | None:
+    """The planner's view of an agent's engine_memory; None unless every figure needed is there
+    and they add up (a garbled line must not move a budget)."""
+    if m is None:
+        return None
+    need = (m.consumed_bytes, m.peak_activation_bytes, m.free_at_start_bytes, m.total_bytes)
+    if any(v is None or v < 0 for v in need):
+        return None
+    consumed, peak, free, total = (int(v or 0) for v in need)
+    graphs = max(0, m.cuda_graph_bytes or 0)
+    if free > total or total <= 0:
+        return None
+    non_kv = (total - free) + consumed + peak + graphs
+    if non_kv > total:
+        return None
+    return EngineFigures(non_kv, consumed, peak, graphs, free, total)
 
 
 @dataclass(frozen=True)
@@ -39,6 +75,8 @@ class RankHeadroom:
     min_free_bytes: int
     stale: bool = False
     error: str | None = None
+    # vLLM's own per-worker memory report for this rank (agent's engine_memory), when printed
+    engine: EngineFigures | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -58,6 +96,8 @@ class Observation:
     measurements: tuple[RankMeasurement, ...] = ()
     # vLLM's "Available KV cache memory" as printed by the engines (lowest over fresh pods)
     kv_cache_bytes: int | None = None
+    # the vLLM version the agents report (package metadata in the serving image), if any
+    engine_version: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)  # why data was excluded, for status/events
 
     @property
@@ -112,6 +152,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
     stale_pods: list[str] = []
     probe_free: dict[int, tuple[int, int | None]] = {}
     kv_seen: list[int] = []
+    versions: list[str] = []
     notes: list[str] = []
     for pod, report, received_at in sorted(reports, key=lambda x: x[0]):
         age = now - received_at
@@ -136,6 +177,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
                 min_free_bytes=s.min_free_bytes,
                 stale=not usable,
                 error=s.error,
+                engine=engine_figures(s.engine_memory),
             )
             if usable:
                 fresh[s.rank] = _worse(fresh.get(s.rank), row)
@@ -144,6 +186,8 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
                 stale[s.rank] = _worse(stale.get(s.rank), row)
         if not pod_fresh:
             continue
+        if report.engine_version:
+            versions.append(report.engine_version)
         if report.probe is not None and report.probe.ok:
             for p in report.probe.ranks:
                 if p.error is not None:
@@ -168,16 +212,22 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
         stale_pods=tuple(stale_pods),
         measurements=measurements,
         kv_cache_bytes=min(kv_seen) if kv_seen else None,
+        # pods of one template run one image: the lowest version reported, for determinism
+        engine_version=min(versions) if versions else None,
         notes=tuple(notes),
     )
 
 
-def gpu_totals(observation: Observation | None) -> tuple[RankMeasurement, ...]:
+def gpu_totals(
+    observation: Observation | None, engine_non_kv: Mapping[int, int] | None = None
+) -> tuple[RankMeasurement, ...]:
     """Each fresh rank's device total as a planner measurement (when no probe ran, the total
-    alone still replaces spec.memory.gpuMemoryBytes), merged with the probe figures."""
+    alone still replaces spec.memory.gpuMemoryBytes), merged with the probe figures and the
+    engine's own non-KV figure per rank (`engine_non_kv`, as kept in status)."""
     if observation is None:
         return ()
     probe = {m.rank: m for m in observation.measurements}
+    engine = dict(engine_non_kv or {})
     out = []
     for r in observation.fresh_ranks:
         m = probe.get(r.rank)
@@ -186,6 +236,7 @@ def gpu_totals(observation: Observation | None) -> tuple[RankMeasurement, ...]:
                 rank=r.rank,
                 total_bytes=r.total_bytes,
                 free_after_init_bytes=None if m is None else m.free_after_init_bytes,
+                engine_non_kv_bytes=engine.get(r.rank),
             )
         )
     return tuple(out)

@@ -128,12 +128,17 @@ class RankMeasurement:
         and NCCL included (e.g. NVML used minus the KV pool at the worst moment); replaces the
         whole non-KV estimate.
     total_bytes: the device's total memory (replaces PlanInput.gpu_memory_bytes for this rank).
+    engine_non_kv_bytes: the engine's own account of everything but the KV pool (vLLM's
+        per-worker memory report at start-up, others' memory on the device included). It may
+        only TIGHTEN the rank's non-KV figure, never loosen it (docs/architecture.md: it is
+        measured before traffic, so NCCL's lazily allocated buffers are not in it).
     """
 
     rank: int
     total_bytes: int | None = None
     free_after_init_bytes: int | None = None
     peak_non_kv_bytes: int | None = None
+    engine_non_kv_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ class RankPlan:
     context_source: str  # "prior" | "measured"
     cudagraph_bytes: int
     non_kv_bytes: int
-    non_kv_source: str  # "estimate" | "measured-peak"
+    non_kv_source: str  # "estimate" | "measured-peak" | "engine" (vLLM's own report, larger)
     safe_kv_bytes: int  # total − non-KV: the most KV this rank can hold (negative: does not fit)
     kv_bytes_per_token: int
     blocks: int  # blocks this rank could cut from the planned budget
@@ -378,6 +383,8 @@ def make_plan(inp: PlanInput) -> Plan:
             non_kv, non_kv_source = max(m.peak_non_kv_bytes, context), "measured-peak"
         else:
             non_kv, non_kv_source = estimate, "estimate"
+        if m is not None and m.engine_non_kv_bytes is not None and m.engine_non_kv_bytes > non_kv:
+            non_kv, non_kv_source = m.engine_non_kv_bytes, "engine"
         drafts.append(
             RankPlan(
                 rank=rank,

@@ -43,6 +43,7 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
+from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.history import history_from_status
@@ -277,7 +278,11 @@ class _Pass:
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         try:
-            plan = measured_plan(spec, observation)
+            key = budget_key(spec)
+            engine = engine_view(state, spec, observation, key)
+            plan = measured_plan(
+                spec, observation, learned_gpu_bytes=state.gpu_memory_bytes, engine_non_kv=engine.non_kv
+            )
             learned = learned_gpu_bytes(observation, spec.world_size)
             if learned is not None and learned != state.gpu_memory_bytes:
                 # the GPU's size, measured: from now on the prior plan (start-up utilisation,
@@ -376,10 +381,14 @@ class _Pass:
             history=self.history,
         )
         new_status.update(self.updates)
+        new_status["conditions"] = with_rules_condition(
+            new_status["conditions"], engine, iso(w.now), w.generation
+        )
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),
-                "budgetKey": budget_key(spec),
+                "engine": engine_status(engine, key),
+                "budgetKey": key,
                 "handledTerminations": list(self.handled),
                 "lowHeadroomSince": low_since,
                 "ampleHeadroomSince": ample_since,

@@ -74,6 +74,10 @@ class ServiceState:
     ample_headroom_since: float | None = None
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
+    # vLLM's own non-KV figure per rank, kept from the start-up that printed it (only a start
+    # without --kv-cache-memory-bytes does), for the budget key it was measured under
+    engine_non_kv: Mapping[int, int] = field(default_factory=dict)
+    engine_budget_key: str | None = None
     service_applied: bool = False
     observed_generation: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -84,6 +88,8 @@ class ServiceState:
         handled = s.get("handledTerminations")
         history = s.get("remediations")
         gen = s.get("observedGeneration")
+        raw_engine = s.get("engine")
+        engine: Mapping[str, Any] = raw_engine if isinstance(raw_engine, Mapping) else {}
         return cls(
             serving_flags=ServingFlags.from_status(s.get("servingFlags")),
             last_known_good=ServingFlags.from_status(s.get("lastKnownGood")),
@@ -96,6 +102,8 @@ class ServiceState:
             ample_headroom_since=_float(s.get("ampleHeadroomSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
+            engine_non_kv=_engine_non_kv(engine),
+            engine_budget_key=_str(engine.get("budgetKey")),
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
             raw=s,
@@ -104,3 +112,21 @@ class ServiceState:
 
 def _positive_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _engine_non_kv(doc: Any) -> dict[int, int]:
+    """status.engine.ranks[].{rank, nonKVBytes} -> {rank: bytes}; anything malformed is skipped."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("ranks"), list):
+        return {}
+    out: dict[int, int] = {}
+    for row in doc["ranks"]:
+        if not isinstance(row, Mapping):
+            continue
+        rank, value = row.get("rank"), _positive_int(row.get("nonKVBytes"))
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 and value is not None:
+            out[rank] = value
+    return out

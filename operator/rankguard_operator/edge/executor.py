@@ -24,7 +24,7 @@ from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.edge import k8s
-from rankguard_operator.edge.metrics import PASSES, RECONCILE_SECONDS, REMEDIATIONS
+from rankguard_operator.edge.metrics import ENGINE_RULES_FALLBACK, PASSES, RECONCILE_SECONDS, REMEDIATIONS
 from rankguard_operator.edge.scrape import Scraper, Target
 
 log = logging.getLogger("rankguard_operator.executor")
@@ -87,6 +87,13 @@ class ServiceExecutor:
             reports=[(s.pod, s.report, s.received_at) for s in scraped],
         )
         step = reconcile.step(state, world, self.settings)
+        rules = next(
+            (c for c in step.state.raw.get("conditions") or [] if c.get("type") == "EngineRules"), None
+        )
+        if rules is not None:
+            ENGINE_RULES_FALLBACK.labels(namespace=world.namespace, llmservice=world.name).set(
+                0 if rules.get("status") == "True" else 1
+            )
         try:
             await self.execute(body, state, step)
         except k8s.ApplyRefused as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 REPORTS_OK = Counter(
     "rankguard_operator_reports_accepted_total",
@@ -27,5 +27,17 @@ RECONCILE_SECONDS = Histogram(
 PASSES = Counter(
     "rankguard_operator_passes_total",
     "Passes of an LLMService's loop (observe, decide, act), finished or failed",
+    ["namespace", "llmservice"],
+)
+REPORT_FIELDS_DROPPED = Counter(
+    "rankguard_operator_report_fields_dropped_total",
+    "Advisory fields of otherwise valid agent reports dropped as malformed (engine version, "
+    "engine memory): never acted upon",
+    ["namespace", "llmservice"],
+)
+ENGINE_RULES_FALLBACK = Gauge(
+    "rankguard_operator_engine_rules_fallback",
+    "1 while an LLMService's vLLM version has no recorded snapshot (or is unknown) and the "
+    "nearest one's rules are used (the EngineRules condition says which); 0 otherwise",
     ["namespace", "llmservice"],
 )

@@ -17,7 +17,7 @@ import aiohttp
 
 from rankguard_agent.report import MAX_REPORT_BYTES, Report, ReportError, parse_report
 
-from .metrics import REPORTS_OK, REPORTS_REJECTED
+from .metrics import REPORT_FIELDS_DROPPED, REPORTS_OK, REPORTS_REJECTED
 
 log = logging.getLogger("rankguard_operator.edge.scrape")
 
@@ -97,6 +97,12 @@ class Scraper:
             return None
         REPORTS_OK.labels(namespace=self.namespace, llmservice=self.service).inc()
         self._complained = {c for c in self._complained if c[0] != target.pod}
+        if report.dropped_fields:
+            # the report stands; only its malformed advisory fields were dropped (counted, logged)
+            REPORT_FIELDS_DROPPED.labels(namespace=self.namespace, llmservice=self.service).inc(
+                len(report.dropped_fields)
+            )
+            log.debug("pod %s: dropped from its report: %s", target.pod, "; ".join(report.dropped_fields))
         return Scraped(target.pod, report, time.time())
 
     async def scrape(self, targets: Sequence[Target]) -> list[Scraped]:

@@ -117,5 +117,6 @@ def for_engine(version: str | None) -> Choice:
     chosen = older[-1] if older else known[0]
     return Choice(
         load(chosen),
-        f"no snapshot for vLLM {version}; using the nearest {'older' if older else 'oldest'} one ({chosen})",
+        f"no snapshot for vLLM {version}; using "
+        + (f"the nearest older one ({chosen})" if older else f"the oldest recorded one ({chosen})"),
     )

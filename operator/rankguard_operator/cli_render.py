@@ -1,0 +1,169 @@
+"""`rankguard render -f llmservice.yaml [--check]`: what the operator would apply, offline.
+
+Like `helm template`: each LLMService in the file goes through the operator's own first pass
+(`reconcile.step` over an empty world: the same spec validation, plan and renderers), and the
+Deployment and Service it would apply are printed as YAML. `--check` also reads every vLLM
+command line the way that image's vLLM would (its recorded snapshot) and exits 1 on a problem.
+
+Exit codes: 0 rendered (and checked); 1 `--check` found a problem; 2 bad input (unreadable file,
+no LLMService, a spec the operator refuses), one line per problem on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from rankguard_operator.core import reconcile
+from rankguard_operator.core.engine_rules import rules_for_image
+from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.units import QuantityError, parse_bytes
+
+API_VERSION = "rankguard.io/v1alpha1"
+KIND = "LLMService"
+DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # the API server assigns the real one
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """No `&id001` anchors: the output is read by people and by `kubectl apply -f`."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+class RenderError(Exception):
+    """Bad input: printed as one line, exit 2."""
+
+
+def _documents(path: str) -> list[Any]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RenderError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RenderError(f"{path} is not valid YAML{where}: {problem}") from None
+
+
+def _services(docs: list[Any], path: str) -> Iterator[Mapping[str, Any]]:
+    found = False
+    for doc in docs:
+        if isinstance(doc, Mapping) and doc.get("kind") == KIND:
+            if doc.get("apiVersion") != API_VERSION:
+                raise RenderError(
+                    f"{path}: {KIND} apiVersion must be {API_VERSION}, got {doc.get('apiVersion')!r}"
+                )
+            found = True
+            yield doc
+    if not found:
+        raise RenderError(f"{path} holds no {KIND} (kind: {KIND}, apiVersion: {API_VERSION})")
+
+
+def render_service(
+    doc: Mapping[str, Any], *, namespace: str, agent_image: str, gpu_memory_bytes: int | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the objects the operator's first pass applies, the problems it reports instead)."""
+    meta = doc.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise RenderError(f"an {KIND} without metadata.name")
+    ns = str(meta.get("namespace") or namespace)
+    status = {"gpuMemoryBytes": gpu_memory_bytes} if gpu_memory_bytes else {}
+    world = reconcile.World(
+        name=name,
+        namespace=ns,
+        uid=PLACEHOLDER_UID,
+        generation=1,
+        spec=doc.get("spec") or {},
+        now=0.0,
+        new_id="render",
+    )
+    step = reconcile.step(
+        ServiceState.from_status(status), world, reconcile.Settings(agent_image=agent_image, stale_after=30.0)
+    )
+    if step.decision is None:  # refused: the operator would set InvalidSpec and apply nothing
+        messages = [e.message for e in step.effects if isinstance(e, reconcile.PostEvent)]
+        return [], [f"{ns}/{name}: {m}" for m in messages]
+    objects: list[dict[str, Any]] = []
+    for e in step.effects:
+        if isinstance(e, (reconcile.ApplyDeployment, reconcile.ApplyService)):
+            objects.append(dict(e.body))
+    return objects, []
+
+
+def check_deployment(deployment: Mapping[str, Any]) -> tuple[list[str], str | None]:
+    """(problems the image's vLLM would have with the rendered command, the rules note)."""
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    vllm = next(c for c in containers if c["name"] == VLLM_CONTAINER)
+    rules = rules_for_image(vllm["image"])
+    command = vllm["command"]
+    argv = command[command.index("vllm") + 1 :]
+    # $(POD_IP) is expanded by the kubelet; any address stands in for it here
+    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in argv]
+    name = deployment["metadata"]["name"]
+    return [f"{name}: vLLM {rules.version}: {p}" for p in rules.cli.check_serve(argv)], rules.note
+
+
+def _run_render(args: argparse.Namespace, out: TextIO) -> int:
+    gpu = None
+    if args.gpu_memory:
+        try:
+            gpu = parse_bytes(args.gpu_memory)
+        except QuantityError as exc:
+            raise RenderError(f"--gpu-memory: {exc}") from None
+    objects: list[dict[str, Any]] = []
+    refused: list[str] = []
+    problems: list[str] = []
+    for doc in _services(_documents(args.filename), args.filename):
+        rendered, why = render_service(
+            doc, namespace=args.namespace, agent_image=args.agent_image, gpu_memory_bytes=gpu
+        )
+        objects += rendered
+        refused += why
+    if refused:
+        raise RenderError("; ".join(refused))
+    if args.check:
+        for obj in objects:
+            if obj["kind"] == "Deployment":
+                found, note = check_deployment(obj)
+                problems += found
+                if note:
+                    print(f"rankguard: warning: {note}", file=sys.stderr)
+    out.write(yaml.dump_all(objects, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False))
+    for p in problems:
+        print(f"rankguard: check: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def add_render(sub: Any) -> None:
+    p = sub.add_parser(
+        "render",
+        help="print the Deployment and Service the operator would apply for an LLMService",
+        description=(
+            "Render, offline, what the operator's first pass would apply for each LLMService in "
+            "FILE (after the same validation). --check also checks every vLLM command line "
+            "against the recorded CLI of the image's vLLM version."
+        ),
+    )
+    p.add_argument("-f", "--filename", required=True, metavar="FILE", help="LLMService YAML ('-' for stdin)")
+    p.add_argument("-n", "--namespace", default="default", help="namespace when the file gives none")
+    p.add_argument("--agent-image", default=DEFAULT_AGENT_IMAGE, help="the agent-install init image")
+    p.add_argument(
+        "--gpu-memory",
+        metavar="BYTES",
+        help="one GPU's size, as the agents would report it (e.g. 79.14GiB), to render the budget "
+        "a running operator would; spec.memory.gpuMemoryBytes wins when set",
+    )
+    p.add_argument("--check", action="store_true", help="check each vLLM argv against vLLM's own CLI")
+    p.set_defaults(func=_run_render)

@@ -1,0 +1,91 @@
+"""`status.engine` and the EngineRules condition: which vLLM runs, whose rules apply, and what
+the engine itself said about each rank's memory.
+
+The engine's per-worker memory report is printed only by a start-up without
+--kv-cache-memory-bytes, i.e. once, before rankguard sets a byte budget. Its figures are
+therefore kept in status (with the budget key they were measured under) and used by every
+later plan until the spec's budget inputs change; a fresh report replaces them.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rankguard_operator.core.conditions import Condition, set_condition
+from rankguard_operator.core.engine_rules import Rules, image_version, rules_for
+from rankguard_operator.core.headroom import Observation
+from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.spec import ServiceSpec
+
+
+@dataclass(frozen=True)
+class EngineView:
+    version: str | None
+    source: str  # "agent" | "image" | "unknown"
+    rules: Rules
+    non_kv: Mapping[int, int]  # rank -> the engine's own non-KV bytes
+    rows: tuple[Mapping[str, Any], ...]  # status.engine.ranks
+
+
+def engine_view(
+    state: ServiceState, spec: ServiceSpec, observation: Observation | None, key: str
+) -> EngineView:
+    reported = observation.engine_version if observation is not None else None
+    tagged = image_version(spec.image)
+    version, source = (reported, "agent") if reported else (tagged, "image") if tagged else (None, "unknown")
+    rows: dict[int, Mapping[str, Any]] = {}
+    if state.engine_budget_key == key:
+        for row in (state.raw.get("engine") or {}).get("ranks") or []:
+            if isinstance(row, Mapping) and state.engine_non_kv.get(row.get("rank", -1)) is not None:
+                rows[int(row["rank"])] = dict(row)
+    for r in observation.fresh_ranks if observation is not None else ():
+        if r.engine is not None:
+            e = r.engine
+            rows[r.rank] = {
+                "rank": r.rank,
+                "nonKVBytes": e.non_kv_bytes,
+                "consumedBytes": e.consumed_bytes,
+                "peakActivationBytes": e.peak_activation_bytes,
+                "cudaGraphBytes": e.cuda_graph_bytes,
+                "freeAtStartBytes": e.free_at_start_bytes,
+                "totalBytes": e.total_bytes,
+            }
+    ordered = tuple(rows[k] for k in sorted(rows))
+    return EngineView(
+        version=version,
+        source=source,
+        rules=rules_for(version),
+        non_kv={int(r["rank"]): int(r["nonKVBytes"]) for r in ordered},
+        rows=ordered,
+    )
+
+
+def engine_status(view: EngineView, key: str) -> dict[str, Any]:
+    doc: dict[str, Any] = {"versionSource": view.source, "rules": view.rules.version, "budgetKey": key}
+    if view.version is not None:
+        doc["version"] = view.version
+    if view.rows:
+        doc["ranks"] = [dict(r) for r in view.rows]
+    return doc
+
+
+def with_rules_condition(
+    conditions: Sequence[Mapping[str, Any]], view: EngineView, now_iso: str, generation: int
+) -> list[dict[str, Any]]:
+    rules = view.rules
+    if view.version is None:
+        status, reason = "Unknown", "VersionUnknown"
+        message = (
+            "no agent has reported the vLLM version and the image tag names none; "
+            f"using vLLM {rules.version}'s recorded rules"
+        )
+    elif rules.note is not None:
+        status, reason, message = "False", "NearestSnapshot", rules.note
+    else:
+        status, reason = "True", "Recorded"
+        message = f"vLLM {view.version} (from the {view.source}): its recorded CLI and log formats apply"
+    return set_condition(conditions, Condition.ENGINE_RULES, status, reason, message, now_iso, generation)
