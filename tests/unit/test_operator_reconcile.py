@@ -571,3 +571,31 @@ def test_an_unknown_engine_version_falls_back_to_the_nearest_snapshot_and_says_s
     assert (rules["status"], rules["reason"]) == ("False", "NearestSnapshot")
     assert "0.99.1" in rules["message"] and "0.33.0" in rules["message"]
     assert c.status["engine"]["rules"] == "0.33.0"
+
+
+def test_a_start_up_refusal_teaches_the_gpu_size_when_no_report_could() -> None:
+    """vLLM's start-up check refuses a small card under TP before the pod is ever ready (no
+    report to scrape): the termination message's device total is learned, and the roll that
+    follows carries a start-up utilisation that fits."""
+    c = Cluster()
+    del c.spec["memory"]
+    c.run()
+    c.controller_done()
+    p = c.pods[0]
+    message = tm.TerminationMessage(
+        reason=tm.CUDA_OOM,
+        exit_code=1,
+        rank=1,
+        gpu_index=1,
+        requested_bytes=int(15 * GiB * 0.92),
+        free_bytes=13 * GiB,
+        total_bytes=15 * GiB,
+        detail="vLLM refused to start: its start-up memory check failed on cuda:1",
+    ).to_json()
+    term = {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+    c.pods = [pod(p["metadata"]["name"], p["metadata"]["annotations"], ready=False, terminated=term)]
+    c.run()
+    assert c.status["gpuMemoryBytes"] == 15 * GiB
+    argv = _vllm_argv(c.deployment)
+    assert "--kv-cache-memory-bytes" in argv, argv
+    assert float(argv[argv.index("--gpu-memory-utilization") + 1]) < 13 / 15

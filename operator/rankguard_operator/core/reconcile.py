@@ -280,15 +280,14 @@ class _Pass:
         try:
             key = budget_key(spec)
             engine = engine_view(state, spec, observation, key)
-            plan = measured_plan(
-                spec, observation, learned_gpu_bytes=state.gpu_memory_bytes, engine_non_kv=engine.non_kv
-            )
-            learned = learned_gpu_bytes(observation, spec.world_size)
-            if learned is not None and learned != state.gpu_memory_bytes:
-                # the GPU's size, measured: from now on the prior plan (start-up utilisation,
-                # probe sizes) stands on it even when the spec does not give it
-                self.updates["gpuMemoryBytes"] = learned
+            gpu = state.gpu_memory_bytes
+            learned = learned_gpu_bytes(observation, spec.world_size, [t.total_bytes for t in fresh_terms])
+            if learned is not None and learned != gpu:
+                # the GPU's size, measured: from now on the plans (start-up utilisation, probe
+                # sizes, the budget itself) stand on it even when the spec does not give it
+                gpu = self.updates["gpuMemoryBytes"] = learned
                 self.prior = prior_plan(spec, learned)
+            plan = measured_plan(spec, observation, learned_gpu_bytes=gpu, engine_non_kv=engine.non_kv)
         except SpecError as e:
             return invalid_spec(state, w, str(e))
         decision = policy.decide(
