@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import importlib.metadata
 import logging
 import os
 import re
@@ -26,12 +27,22 @@ from dataclasses import dataclass
 
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS, MAX_SCAN_LINE
 from rankguard_agent.probe import ProbeConfig, run_probe
-from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall, recognise
-from rankguard_agent.report import ProbeResult
+from rankguard_agent.recognisers import (
+    CudaGraphPool,
+    CudaOom,
+    KVObservation,
+    KVTooSmall,
+    Recognised,
+    Unparsed,
+    WorkerMemoryReport,
+    recognise_all,
+)
+from rankguard_agent.report import EngineMemory, ProbeResult
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
 from rankguard_agent.termination import SIGNALED, TerminationMessage
 from rankguard_agent.verdict import termination_message
+from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
 
 log = logging.getLogger("rankguard_agent.launcher")
 
@@ -116,15 +127,46 @@ class LineScanner:
 
 
 _ERROR_WORDS = re.compile(r"(?:Error|ERROR|error:|Exception|CUDA error)")
+_UNATTRIBUTED = "worker_prefix"  # an unparsed kind: a per-worker line whose rank is unknown
+
+
+def installed_engine_version(dist: str = "vllm") -> str | None:
+    """The engine's version from its package metadata. Never imports the engine: importing
+    vllm would load torch and CUDA into the agent, which must stay small."""
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    # A dist-info without a Version field answers None (despite the annotation).
+    return version if isinstance(version, str) and version else None
+
+
+def _engine_memory(seen: WorkerMemoryReport | CudaGraphPool) -> EngineMemory:
+    if isinstance(seen, CudaGraphPool):
+        return EngineMemory(cuda_graph_bytes=seen.actual_bytes)
+    return EngineMemory(
+        consumed_bytes=seen.consumed_bytes,
+        peak_activation_bytes=seen.peak_activation_bytes,
+        cuda_graph_bytes=seen.cuda_graph_bytes,
+        kv_in_use_bytes=seen.kv_in_use_bytes,
+        free_at_start_bytes=seen.free_bytes,
+        total_bytes=seen.total_bytes,
+        requested_bytes=seen.requested_bytes,
+        kv_to_requested_bytes=seen.kv_to_requested_bytes,
+        kv_to_gpu_bytes=seen.kv_to_gpu_bytes,
+    )
 
 
 class Observer:
-    """Keeps what the engine's lines said: the first memory cause and the last KV line."""
+    """Keeps what the engine's lines said: the first memory cause, the last KV line, and each
+    rank's own memory report (the worker's log prefix says which rank, through `ranks`)."""
 
-    def __init__(self, state: AgentState | None = None) -> None:
+    def __init__(self, state: AgentState | None = None, ranks: WorkerRanks | None = None) -> None:
         self.state = state
+        self.ranks = ranks if ranks is not None else WorkerRanks(ParallelSizes(), 0)
         self.cause: CudaOom | KVTooSmall | None = None
         self.last_kv: KVObservation | None = None
+        self._warned: set[str] = set()
         # The last few lines that look like errors: when no memory cause is recognised, they
         # are what an engine error's termination message shows a person. More than one,
         # because vLLM ends with a generic "Engine core initialization failed. See root cause
@@ -136,10 +178,31 @@ class Observer:
         return " | ".join(self._errors) if self._errors else None
 
     def on_line(self, line: str) -> None:
-        found = recognise(line)
-        if found is None:
+        found = recognise_all(line)
+        if not found:
             if _ERROR_WORDS.search(line):
                 self._errors.append(line.strip()[:400])
+            return
+        for one in found:
+            self._on(one, line)
+
+    def _unparsed(self, kind: str, text: str) -> None:
+        if self.state is not None:
+            self.state.count_unparsed(kind)
+        if kind not in self._warned:  # once per kind: a garbled stream must not flood the log
+            self._warned.add(kind)
+            log.warning("ignoring an engine line rankguard cannot read (%s): %.300s", kind, text)
+
+    def _on(self, found: Recognised, line: str) -> None:
+        if isinstance(found, Unparsed):
+            self._unparsed(found.kind, found.text)
+            return
+        if isinstance(found, WorkerMemoryReport | CudaGraphPool):
+            rank = self.ranks.rank_of(line)
+            if rank is None:
+                self._unparsed(_UNATTRIBUTED, found.text)
+            elif self.state is not None:
+                self.state.record_engine_memory(rank, _engine_memory(found))
             return
         if isinstance(found, KVObservation):
             self.last_kv = found
@@ -280,7 +343,10 @@ class Launcher:
             except (ValueError, RuntimeError, NotImplementedError):
                 continue  # not the main thread (tests): signals stay with their default
         runtime = self.runtime = AgentRuntime(self.cfg.runtime, self.env)
-        self.observer = Observer(runtime.state)
+        runtime.state.engine_version = installed_engine_version()
+        self.observer = Observer(
+            runtime.state, WorkerRanks(parallel_sizes(self.cfg.command), runtime.n_ranks())
+        )
         try:
             if self.cfg.probe is not None:
                 runtime.state.probe = await _run_probe(

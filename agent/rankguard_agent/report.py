@@ -4,6 +4,10 @@ The agent builds it with `Report.to_json()`; the operator parses untrusted bytes
 `parse_report()`, which either returns a fully validated `Report` or raises `ReportError`.
 Anything malformed is "no data" for the operator, never a reason to act (DESIGN §5).
 
+The engine fields (`engine_version`, per rank `engine_memory`) are advisory: one that is
+malformed is dropped alone and named in `Report.dropped_fields` (the operator counts those),
+while the rest of the report stands. Everything else malformed rejects the whole report.
+
 Standard library only: this module runs inside the vLLM container and inside the operator.
 """
 
@@ -21,10 +25,30 @@ MAX_RANKS = 64
 MAX_TEXT = 1024
 # Largest believable GPU memory figure (1 PiB); bigger numbers are garbage, not GPUs.
 MAX_BYTES = 1 << 50
+MAX_ENGINE_VERSION = 64
 
 
 class ReportError(ValueError):
     """The document is not a valid agent report. The message says which field and why."""
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the engine itself said about one rank's memory (vLLM's per-worker lines).
+
+    From the worker memory report (printed only when --kv-cache-memory-bytes is not set),
+    and/or `cuda_graph_bytes` alone from the "CUDA graph pool memory" line. None = not said.
+    GiB figures are 0.01 GiB precise; the two `kv_to_*` figures are vLLM's exact bytes."""
+
+    consumed_bytes: int | None = None  # weights + non-torch (CUDA context, NCCL, ...)
+    peak_activation_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+    kv_in_use_bytes: int | None = None
+    free_at_start_bytes: int | None = None  # free on the device when the worker started
+    total_bytes: int | None = None
+    requested_bytes: int | None = None  # total × gpu_memory_utilization
+    kv_to_requested_bytes: int | None = None  # --kv-cache-memory that fits the request (may be < 0)
+    kv_to_gpu_bytes: int | None = None  # --kv-cache-memory that fills the GPU (may be < 0)
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,7 @@ class RankSample:
     min_free_bytes: int  # minimum free over the last `window_seconds`: transient peaks are short
     window_seconds: float
     error: str | None = None  # e.g. "GpuIsLost": the figures are then the last good ones, or 0
+    engine_memory: EngineMemory | None = None  # the engine's own account, once it printed one
 
 
 @dataclass(frozen=True)
@@ -81,9 +106,14 @@ class Report:
     probe: ProbeResult | None = None
     kv_lines: list[KVLine] = field(default_factory=list)
     sampler_ok: bool = True
+    engine_version: str | None = None  # the vLLM the launcher started (package metadata), if known
+    # Set by parse_report only, never sent: "where: why" for each engine field it dropped.
+    dropped_fields: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        doc = asdict(self)
+        del doc["dropped_fields"]
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _obj(doc: Any, where: str) -> dict[str, Any]:
@@ -131,8 +161,53 @@ def _list(doc: dict[str, Any], key: str, where: str, limit: int) -> list[Any]:
     return v
 
 
-def _rank(doc: Any, where: str) -> RankSample:
+_ENGINE_MEMORY_FIELDS = (
+    "consumed_bytes",
+    "peak_activation_bytes",
+    "cuda_graph_bytes",
+    "kv_in_use_bytes",
+    "free_at_start_bytes",
+    "total_bytes",
+    "requested_bytes",
+    "kv_to_requested_bytes",
+    "kv_to_gpu_bytes",
+)
+# vLLM computes these as differences: negative when nothing fits under that limit.
+_SIGNED = ("kv_to_requested_bytes", "kv_to_gpu_bytes")
+
+
+def _engine_memory(doc: Any, where: str) -> EngineMemory | None:
+    if doc is None:
+        return None
     d = _obj(doc, where)
+    figures = {
+        k: None if d.get(k) is None else _int(d, k, where, -MAX_BYTES if k in _SIGNED else 0)
+        for k in _ENGINE_MEMORY_FIELDS
+    }
+    mem = EngineMemory(**figures)
+    free, total = mem.free_at_start_bytes, mem.total_bytes
+    if free is not None and total is not None and free > total:
+        raise ReportError(f"{where}: free_at_start_bytes exceeds total_bytes")
+    return mem
+
+
+def _engine_version(d: dict[str, Any], dropped: list[str]) -> str | None:
+    v = d.get("engine_version")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ENGINE_VERSION:
+        dropped.append(f"report.engine_version: expected a version string, got {v!r:.40}")
+        return None
+    return v
+
+
+def _rank(doc: Any, where: str, dropped: list[str]) -> RankSample:
+    d = _obj(doc, where)
+    try:
+        engine_memory = _engine_memory(d.get("engine_memory"), f"{where}.engine_memory")
+    except ReportError as e:
+        engine_memory = None
+        dropped.append(str(e))
     s = RankSample(
         rank=_int(d, "rank", where, 0, MAX_RANKS - 1),
         uuid=_str(d, "uuid", where) or "",
@@ -142,6 +217,7 @@ def _rank(doc: Any, where: str) -> RankSample:
         min_free_bytes=_int(d, "min_free_bytes", where),
         window_seconds=_num(d, "window_seconds", where, 0.0, 86400.0),
         error=_str(d, "error", where, optional=True),
+        engine_memory=engine_memory,
     )
     if s.error is None and (s.free_bytes > s.total_bytes or s.min_free_bytes > s.free_bytes):
         raise ReportError(f"{where}: free/min_free exceed total/free ({s.free_bytes}, {s.min_free_bytes})")
@@ -200,7 +276,10 @@ def parse_report(raw: bytes) -> Report:
     version = _int(d, "version", "report", 0, 1000)
     if version != REPORT_VERSION:
         raise ReportError(f"report.version {version} is not supported (this operator reads {REPORT_VERSION})")
-    ranks = [_rank(r, f"report.ranks[{i}]") for i, r in enumerate(_list(d, "ranks", "report", MAX_RANKS))]
+    dropped: list[str] = []
+    ranks = [
+        _rank(r, f"report.ranks[{i}]", dropped) for i, r in enumerate(_list(d, "ranks", "report", MAX_RANKS))
+    ]
     if sorted(r.rank for r in ranks) != list(range(len(ranks))):
         raise ReportError("report.ranks: ranks must be 0..N-1, each once")
     sampler_ok = d.get("sampler_ok", True)
@@ -214,4 +293,6 @@ def parse_report(raw: bytes) -> Report:
         probe=_probe(d.get("probe")),
         kv_lines=[_kv(k, f"report.kv_lines[{i}]") for i, k in enumerate(_list(d, "kv_lines", "report", 16))],
         sampler_ok=sampler_ok,
+        engine_version=_engine_version(d, dropped),
+        dropped_fields=dropped,
     )

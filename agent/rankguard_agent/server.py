@@ -7,6 +7,7 @@ exposition always matches the report and no global state is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -18,12 +19,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
-from rankguard_agent.report import MAX_TEXT, REPORT_VERSION, KVLine, ProbeResult, Report
+from rankguard_agent.report import MAX_TEXT, REPORT_VERSION, EngineMemory, KVLine, ProbeResult, Report
 from rankguard_agent.sampler import Sampler
 
 log = logging.getLogger("rankguard_agent.server")
 
 CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
+# Kinds of rankguard_agent_unparsed_lines_total always exported (at 0 too), so that a rate()
+# or an alert on them works before the first one: the per-worker reports rankguard reads, and
+# "worker_prefix" for a per-worker line whose rank cannot be told.
+UNPARSED_KINDS = ("worker_memory_report", "cuda_graph_pool", "worker_prefix")
 
 
 @dataclass
@@ -36,6 +41,21 @@ class AgentState:
     probe: ProbeResult | None = None
     kv_lines: dict[str, KVLine] = field(default_factory=dict)  # the last line of each kind
     backend_error: str | None = None  # why there are no readings at all, if so
+    engine_version: str | None = None  # the vLLM the launcher started, from its package metadata
+    engine_memory: dict[int, EngineMemory] = field(default_factory=dict)  # by rank
+    unparsed_lines: dict[str, int] = field(default_factory=dict)  # by kind; see UNPARSED_KINDS
+
+    def record_engine_memory(self, rank: int, seen: EngineMemory) -> None:
+        """Merge what a worker line said into the rank's account: the figures it carries
+        replace the older ones, the others stay (the CUDA graph line carries one figure)."""
+        old = self.engine_memory.get(rank)
+        if old is not None:
+            said = {k: v for k, v in dataclasses.asdict(seen).items() if v is not None}
+            seen = dataclasses.replace(old, **said)
+        self.engine_memory[rank] = seen
+
+    def count_unparsed(self, kind: str) -> None:
+        self.unparsed_lines[kind] = self.unparsed_lines.get(kind, 0) + 1
 
     def record_kv(self, kind: str, text: str, value: float, timestamp: float | None = None) -> None:
         self.kv_lines[kind] = KVLine(
@@ -46,14 +66,21 @@ class AgentState:
         return max(self.kv_lines.values(), key=lambda k: k.timestamp, default=None)
 
     def report(self) -> Report:
+        ranks = [
+            s
+            if s.rank not in self.engine_memory
+            else dataclasses.replace(s, engine_memory=self.engine_memory[s.rank])
+            for s in self.sampler.snapshot()
+        ]
         return Report(
             version=REPORT_VERSION,
             agent_version=__version__,
             timestamp=time.time(),
-            ranks=self.sampler.snapshot(),
+            ranks=ranks,
             probe=self.probe,
             kv_lines=sorted(self.kv_lines.values(), key=lambda k: k.timestamp),
             sampler_ok=self.backend_error is None and self.sampler.is_up(),
+            engine_version=self.engine_version,
         )
 
 
@@ -123,7 +150,15 @@ class AgentCollector(Collector):
             ["version", "backend", *extra_names],
         )
         info.add_metric([__version__, st.backend_name, *extra_values], 1)
-        yield from (sampler_up, samples, errors, age, info)
+        unparsed = CounterMetricFamily(
+            "rankguard_agent_unparsed_lines",
+            "Engine lines that carried the marker of a per-worker report but could not be read "
+            "(cut, garbled, an unknown format) or attributed to a rank; never acted upon.",
+            labels=["kind", *extra_names],
+        )
+        for kind in sorted(set(UNPARSED_KINDS) | set(st.unparsed_lines)):
+            unparsed.add_metric([kind, *extra_values], st.unparsed_lines.get(kind, 0))
+        yield from (sampler_up, samples, errors, age, info, unparsed)
 
         if st.probe is not None:
             probe_ok = gauge(

@@ -19,9 +19,11 @@ import aiohttp
 import pytest
 
 from rankguard_agent.gpu.sim import write_device
-from rankguard_agent.launcher import LineScanner, Observer
+from rankguard_agent.launcher import LineScanner, Observer, installed_engine_version
 from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall
 from rankguard_agent.report import parse_report
+from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
+from rankguard_agent.server import AgentState
 from rankguard_agent.termination import (
     COMPLETED,
     CUDA_OOM,
@@ -33,6 +35,8 @@ from rankguard_agent.termination import (
     parse_termination_message,
 )
 from rankguard_agent.verdict import exit_code_of, rank_of_gpu, termination_message
+from rankguard_agent.workers import WorkerRanks, parallel_sizes
+from rankguard_operator import vllm_snapshots
 
 AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"
 GIB = 1 << 30
@@ -413,3 +417,165 @@ def test_an_engine_error_carries_the_last_error_line_a_person_needs() -> None:
     m = termination_message(1, obs.cause, obs.last_kv, 4, last_error=obs.last_error)
     assert m.reason == ENGINE_ERROR and m.detail is not None and "ECC" in m.detail
     assert termination_message(1, None, None, 4).detail is None  # nothing recognised: nothing invented
+
+
+# -- vLLM 0.33's lines, rendered from the recorded snapshot ---------------------------------
+
+SNAP_FORMATS = vllm_snapshots.latest()
+
+
+def snap_line(key: str, values: tuple[object, ...], who: str) -> str:
+    msg = SNAP_FORMATS.messages(key)[0]
+    text = msg["template"] % values if msg["style"] == "percent" else msg["template"].format(*values)
+    return f"({who}) INFO 12-01 10:00:00 [{Path(msg['file']).name}:{msg['line']}] {text}"
+
+
+def gib(b: int) -> float:
+    return round(b / GIB, 2)  # vLLM's format_gib
+
+
+def worker_report(who: str, consumed: int, to_gpu: int) -> str:
+    return snap_line(
+        "worker_memory_report",
+        (
+            gib(78 * GIB),
+            gib(80 * GIB),
+            0.9,
+            gib(72 * GIB),
+            gib(consumed),
+            gib(3 * GIB),
+            gib(GIB // 2),
+            1_800_000_000,
+            gib(1_800_000_000),
+            to_gpu,
+            gib(to_gpu),
+            gib(40 * GIB),
+        ),
+        f"{who} pid=77",
+    )
+
+
+def sim_state(sim_env: dict[str, str]) -> AgentState:
+    runtime = AgentRuntime(RuntimeConfig(backend="sim"), sim_env)
+    runtime.sampler.sample_once()
+    return runtime.state
+
+
+def test_observer_records_tokens_and_concurrency_from_one_line(sim_env: dict[str, str]) -> None:
+    state = sim_state(sim_env)
+    obs = Observer(state)
+    line = snap_line("kv_cache_size", ("GPU", "1,234,560", "8,192", 150.7), "EngineCore_DP0 pid=9")
+    obs.on_line(line)
+    assert {k: v.value for k, v in state.kv_lines.items()} == {
+        "kv_cache_tokens": 1234560.0,
+        "max_concurrency": pytest.approx(150.7),
+    }
+    assert obs.last_kv is not None and obs.cause is None
+
+
+def test_observer_gives_each_rank_its_own_engine_memory(sim_env: dict[str, str]) -> None:
+    state = sim_state(sim_env)
+    obs = Observer(state, WorkerRanks(parallel_sizes(["vllm", "serve", "m", "-tp", "2"]), 2))
+    obs.on_line(worker_report("Worker_TP1", 17 * GIB, 61_000_000_000))
+    obs.on_line(worker_report("Worker_TP0", 16 * GIB, 60_000_000_000))
+    graphs = snap_line("cuda_graph_pool", (gib(GIB), gib(GIB), 0.0, 0.0), "Worker_TP1 pid=78")
+    obs.on_line(graphs)
+    assert obs.cause is None
+    mem = {r.rank: r.engine_memory for r in state.report().ranks}
+    assert mem[0] is not None and mem[1] is not None
+    assert (mem[0].consumed_bytes, mem[0].kv_to_gpu_bytes) == (16 * GIB, 60_000_000_000)
+    assert (mem[1].consumed_bytes, mem[1].kv_to_gpu_bytes) == (17 * GIB, 61_000_000_000)
+    assert mem[0].cuda_graph_bytes == GIB // 2 and mem[1].cuda_graph_bytes == GIB  # the latest line wins
+    assert (mem[1].free_at_start_bytes, mem[1].total_bytes, mem[1].requested_bytes) == (
+        78 * GIB,
+        80 * GIB,
+        72 * GIB,
+    )
+    assert mem[1].kv_in_use_bytes == 40 * GIB and mem[1].kv_to_requested_bytes == 1_800_000_000
+    assert state.unparsed_lines == {}
+
+
+def test_observer_counts_what_it_cannot_read_and_acts_on_none_of_it(sim_env: dict[str, str]) -> None:
+    state = sim_state(sim_env)
+    obs = Observer(state, WorkerRanks(parallel_sizes(["vllm", "serve", "m"]), 2))
+    good = worker_report("Worker_TP1", 17 * GIB, 61_000_000_000)
+    obs.on_line(good[: good.index("Current kv cache")])  # cut
+    obs.on_line(good.replace("`--kv-cache-memory=61000000000`", "`--kv-cache-memory=6100000000`"))  # garbled
+    obs.on_line(worker_report("Worker_PP1_TP1", GIB, 60_000_000_000))  # whose? TP size unknown
+    obs.on_line(worker_report("Worker_TP7", GIB, 60_000_000_000))  # not a rank of this pod
+    assert obs.cause is None and obs.last_error is None
+    assert all(r.engine_memory is None for r in state.report().ranks)
+    assert state.unparsed_lines == {"worker_memory_report": 2, "worker_prefix": 2}
+
+
+def test_engine_version_comes_from_package_metadata(tmp_path: Path) -> None:
+    assert installed_engine_version("rankguard-no-such-dist") is None
+    dist = tmp_path / "vllm-0.33.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert installed_engine_version("vllm") == "0.33.0"
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    site = tmp_path / "site"
+    (site / "vllm-0.33.0.dist-info").mkdir(parents=True)
+    (site / "vllm-0.33.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n"
+    )
+    env = dict(sim_env, PYTHONPATH=f"{AGENT_ROOT}{os.pathsep}{site}")
+    tlog, go = tmp_path / "tl", tmp_path / "go"
+    lines = [
+        worker_report("Worker_TP0", 16 * GIB, 60_000_000_000),
+        worker_report("Worker_TP1", 17 * GIB, 61_000_000_000),
+        worker_report("Worker_TP1", 17 * GIB, 61_000_000_000)[:300],
+    ]
+    child = py(
+        f"""
+        import os, sys, time
+        for line in {lines!r}:
+            print(line, file=sys.stderr, flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.05)
+        """
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *launcher_cmd(tlog, [*child, "--tensor-parallel-size", "2"]),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        port = None
+        while port is None:
+            line = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert line, "launcher ended early"
+            found = re.search(rb"http://127\.0\.0\.1:(\d+)", line)
+            port = int(found.group(1)) if found else None
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                async with s.get(f"http://127.0.0.1:{port}/report") as r:
+                    report = parse_report(await r.read())
+                if all(r.engine_memory is not None for r in report.ranks):
+                    break
+                await asyncio.sleep(0.05)
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                metrics = (await r.read()).decode()
+        assert report.engine_version == "0.33.0"
+        assert [r.engine_memory.consumed_bytes if r.engine_memory else None for r in report.ranks] == [
+            16 * GIB,
+            17 * GIB,
+        ]
+        assert 'rankguard_agent_unparsed_lines_total{kind="worker_memory_report"} 1.0' in metrics
+        go.touch()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
