@@ -309,7 +309,7 @@ def spec_for(scenario: Scenario, *, probe: bool = True) -> dict[str, Any]:
     return {
         "agent": {"probe": probe},
         "model": {"name": scenario.model.name},
-        "image": "vllm/vllm-openai:v0.11.0",
+        "image": "vllm/vllm-openai:v0.33.0",
         "tensorParallelSize": scenario.tensor_parallel_size,
         "pipelineParallelSize": scenario.pipeline_parallel_size,
         "engine": {

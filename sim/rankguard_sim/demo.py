@@ -138,10 +138,13 @@ def up(keep: bool = False) -> int:
         say(f"$ kubectl apply -f {EXAMPLE.relative_to(REPO_ROOT)}")
         say(cp.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE)).stdout.strip())
         say(
-            "\nThe service starts at vLLM's default --gpu-memory-utilization 0.92 on every rank. Rank 0\n"
-            "gathers the logits, so as the batch grows it runs out of GPU memory first. Watch the\n"
-            "table: the agent reports the CUDA OOM, rankguard sets an explicit per-GPU KV budget\n"
-            "from the bottleneck rank, and the service comes back Ready with headroom on every rank.\n"
+            "\nThe service starts at vLLM's default --gpu-memory-utilization 0.92 on every rank. vLLM\n"
+            "0.33's workers are identical and every rank all-gathers the logits, but GPU 0 also holds\n"
+            "the CUDA contexts of the container's API server and engine core (1.5 GiB vLLM's budget\n"
+            "never sees), so rank 0 has the least headroom and runs out first as the batch grows.\n"
+            "Watch the table: the agent reports the CUDA OOM, rankguard sets an explicit per-GPU KV\n"
+            "budget from the bottleneck rank, and the service comes back Ready with headroom on\n"
+            "every rank.\n"
         )
         say(f"$ kubectl get llmservice {NAME} -w")
         watcher = subprocess.Popen(

@@ -5,13 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .scenario_data import Scenario
+from .vllm_snapshot import default_block_size, kv_cache_dtypes, snapshot
 
-# vLLM's accepted values (engine arg choices); anything else is refused before start-up.
+
+def _dtype_choices() -> tuple[str, ...]:
+    for opt in snapshot().cli["options"]:
+        if opt["dest"] == "dtype":
+            return tuple(str(c) for c in opt["choices"])
+    raise LookupError("the vLLM snapshot has no --dtype option")
+
+
+# vLLM's accepted values (from the snapshot: --dtype's choices, engine.json's KV cache dtypes);
+# anything else is refused before start-up. The byte sizes are the world's knowledge of the
+# ones it can simulate; a valid KV cache dtype it cannot size is refused as unsimulated.
+DTYPES = _dtype_choices()
 DTYPE_BYTES = {"half": 2, "float16": 2, "bfloat16": 2, "float": 4, "float32": 4}
-DTYPES = ("auto", *DTYPE_BYTES)
-KV_CACHE_DTYPE_BYTES = {"bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_BYTES)
-BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+KV_CACHE_DTYPES = kv_cache_dtypes()
+KV_CACHE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+assert set(DTYPE_BYTES) <= set(DTYPES) and set(KV_CACHE_DTYPE_BYTES) <= set(KV_CACHE_DTYPES)
 
 
 class EngineConfigError(ValueError):
@@ -32,6 +43,7 @@ class EngineConfig:
     kv_cache_dtype: str
     enforce_eager: bool
     disable_custom_all_reduce: bool
+    max_model_len_auto: bool = False  # --max-model-len auto / -1: fit to the KV cache memory
 
     @property
     def dtype_bytes_override(self) -> int | None:
@@ -79,7 +91,8 @@ def engine_config(
     if tokens < 1:
         raise EngineConfigError(f"max_num_batched_tokens must be >= 1, got {tokens}")
     derived_len = scenario.model.max_position_embeddings
-    length = derived_len if max_model_len is None else max_model_len
+    auto = max_model_len == -1  # vLLM: -1 (or "auto") is the derived length, auto-fitted later
+    length = derived_len if max_model_len is None or auto else max_model_len
     if length < 1:
         raise EngineConfigError(f"max_model_len must be >= 1, got {length}")
     if length > derived_len and not allow_long_max_model_len:
@@ -89,14 +102,19 @@ def engine_config(
             f"(max_position_embeddings={derived_len} or model_max_length=None in model's config.json). "
             "To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
         )
-    blocks = scenario.defaults.block_size if block_size is None else block_size
-    if blocks not in BLOCK_SIZES:
-        raise EngineConfigError(f"block_size must be one of {BLOCK_SIZES}, got {blocks}")
+    blocks = default_block_size() if block_size is None else block_size  # CacheConfig's default
+    if blocks < 1:
+        raise EngineConfigError(f"block_size must be > 0, got {blocks}")
     if dtype not in DTYPES:
         raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:  # vLLM's CacheConfig validator refuses it too
         raise EngineConfigError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+        raise EngineConfigError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is valid for vLLM, but the simulated world has no "
+            f"measurements for it (simulated: auto, {', '.join(KV_CACHE_DTYPE_BYTES)})"
         )
     return EngineConfig(
         tensor_parallel_size=tp,
@@ -111,4 +129,5 @@ def engine_config(
         kv_cache_dtype=kv_cache_dtype,
         enforce_eager=enforce_eager,
         disable_custom_all_reduce=disable_custom_all_reduce,
+        max_model_len_auto=auto,
     )

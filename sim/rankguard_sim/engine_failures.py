@@ -1,7 +1,8 @@
 """How the simulated engine fails: PyTorch's OOM and vLLM's start-up errors, in their own words.
 
 The messages are PyTorch's and vLLM's formats, because the agent recognises the printed
-text (never these classes): a wording drift here is a recogniser test failing there.
+text (never these classes): vLLM's are rendered from the recorded snapshot's templates
+(`vllm_snapshot.message`), PyTorch's follow c10's allocator format.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 from .scenario_data import GIB, KIB, MIB
+from .vllm_snapshot import format_gib, message
 
 # Outcome reasons (the world's words; the agent recognises the printed messages instead).
 CUDA_OOM = "CUDAOutOfMemory"
@@ -45,10 +47,6 @@ def torch_allocation_size(nbytes: int) -> int:
     if nbytes < 10 * MIB:
         return 20 * MIB
     return 2 * MIB * math.ceil(nbytes / (2 * MIB))
-
-
-def format_gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f}"
 
 
 class EngineFailure(Exception):
@@ -180,11 +178,13 @@ class StartupFreeMemoryError(EngineFailure):
         return self.free
 
     def message(self) -> str:
-        return (
-            f"Free memory on device cuda:{self.rank} ({format_gib(self.free)}/{format_gib(self.total)} GiB) "
-            f"on startup is less than desired GPU memory utilization ({self.utilization}, "
-            f"{format_gib(self.requested)} GiB). Decrease GPU memory utilization or reduce GPU memory "
-            "used by other processes."
+        return message(
+            "startup_free_too_low",
+            f"cuda:{self.rank}",
+            format_gib(self.free),
+            format_gib(self.total),
+            self.utilization,
+            format_gib(self.requested),
         )
 
 
@@ -200,10 +200,7 @@ class NoKVCacheMemory(EngineFailure):
         return max(0, self.available)
 
     def message(self) -> str:
-        return (
-            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
-            "when initializing the engine."
-        )
+        return message("no_kv_memory")
 
 
 class KVCacheTooSmall(EngineFailure):
@@ -225,12 +222,19 @@ class KVCacheTooSmall(EngineFailure):
         return self.available
 
     def message(self) -> str:
-        return (
-            f"To serve at least one request with the models's max seq len ({self.max_model_len}), "
-            f"({format_gib(self.needed)} GiB KV cache is needed, which is larger than the available KV "
-            f"cache memory ({format_gib(self.available)} GiB). Based on the available memory, the "
-            f"estimated maximum model length is {self.estimated}. Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+        # The estimate sentence is vLLM's `estimated_msg` (not in the snapshot: the fake's own
+        # wording, kept from before); vLLM leaves it out when nothing fits.
+        estimated = (
+            f"Based on the available memory, the estimated maximum model length is {self.estimated}. "
+            if self.estimated > 0
+            else ""
+        )
+        return message(
+            "kv_too_small",
+            self.max_model_len,
+            format_gib(self.needed),
+            format_gib(self.available),
+            estimated,
         )
 
 

@@ -22,7 +22,12 @@ from .engine_failures import (
     SamplerWarmupOOM,
     StartupFreeMemoryError,
 )
-from .scenario_data import PHASES, Scenario
+from .scenario_data import MIB, PHASES, Scenario
+from .vllm_snapshot import null_blocks
+
+# vLLM's gpu_worker.py leaves this much when it suggests a --kv-cache-memory-bytes value
+# ("empirically observed that the memory profiling may slightly underestimate").
+REDUNDANCY_BUFFER_BYTES = 150 * MIB
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class RankMemory:
     """One rank's bytes under one engine configuration, by the phase that allocates them."""
 
     rank: int
+    others: tuple[tuple[str, int], ...]  # other processes' memory on this GPU (API server, ...)
     init: int  # CUDA context + communicators, before vLLM's memory snapshot
     weights: int
     profile_peak: int  # freed again after profile_run
@@ -38,6 +44,10 @@ class RankMemory:
     logits_per_seq: int  # the transient that grows with the running batch
     kv_bytes_per_token: int
     block_bytes: int  # one KV block across this rank's layers
+
+    @property
+    def other_bytes(self) -> int:
+        return sum(n for _, n in self.others)
 
     def transient(self, running_seqs: int) -> int:
         return self.logits_per_seq * max(0, running_seqs)
@@ -64,8 +74,13 @@ def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
     out = []
     for rank in range(scenario.world_size):
         phases = dict.fromkeys(PHASES, 0)
+        others = []
         for c in scenario.components:
             nbytes = c.bytes_for(rank)
+            if c.phase == "other_process":
+                if nbytes:
+                    others.append((c.name, nbytes))
+                continue
             if c.disabled_by == "disable_custom_all_reduce" and config.disable_custom_all_reduce:
                 continue
             if (c.disabled_by == "enforce_eager" or c.phase == "cuda_graph") and config.enforce_eager:
@@ -80,6 +95,7 @@ def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
         out.append(
             RankMemory(
                 rank=rank,
+                others=tuple(others),
                 init=phases["init"],
                 weights=phases["weights"],
                 profile_peak=phases["profile"],
@@ -110,6 +126,10 @@ class Ledger(Protocol):
 
     def others(self, rank: int) -> list[tuple[int, int]]: ...
 
+    def start_other(self, rank: int, name: str, nbytes: int) -> None:
+        """Another process of the engine's container takes `nbytes` on this rank's GPU."""
+        ...
+
     def lost(self, rank: int) -> bool: ...
 
 
@@ -119,13 +139,14 @@ class PureLedger:
     def __init__(self, totals: Sequence[int], others_used: Sequence[int] | None = None) -> None:
         self.totals = list(totals)
         self.others_used = list(others_used) if others_used is not None else [0] * len(self.totals)
+        self.started: list[list[int]] = [[] for _ in self.totals]  # start_other, per rank
         self.tags: list[dict[str, int]] = [{} for _ in self.totals]
 
     def total(self, rank: int) -> int:
         return self.totals[rank]
 
     def used(self, rank: int) -> int:
-        return self.others_used[rank] + sum(self.tags[rank].values())
+        return self.others_used[rank] + sum(self.started[rank]) + sum(self.tags[rank].values())
 
     def free(self, rank: int) -> int:
         return max(0, self.totals[rank] - self.used(rank))
@@ -140,7 +161,11 @@ class PureLedger:
             self.tags[rank].pop(tag, None)
 
     def others(self, rank: int) -> list[tuple[int, int]]:
-        return [(0, self.others_used[rank])] if self.others_used[rank] else []
+        found = [self.others_used[rank], *self.started[rank]]
+        return [(0, n) for n in found if n]
+
+    def start_other(self, rank: int, name: str, nbytes: int) -> None:
+        self.started[rank].append(nbytes)
 
     def lost(self, rank: int) -> bool:
         return False
@@ -162,14 +187,51 @@ ALL_TAGS = (TAG_INIT, *_TORCH_TAGS, TAG_SERVING_COMM)
 class KVPlan:
     available: tuple[int, ...]  # per rank, what each worker reports (vLLM's "Available KV cache memory")
     requested: tuple[int, ...]  # per rank, total × utilisation
-    num_gpu_blocks: int  # the engine core's minimum over workers
+    num_gpu_blocks: int  # the engine core's minimum over workers (the null block included)
     kv_bytes: tuple[int, ...]  # per rank, what is actually allocated
     block_size: int
     pinned: bool
+    max_model_len: int = 0  # after auto-fit (--max-model-len auto)
+    null_blocks: int = 1  # BlockPool holds these back for good
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks requests can get: BlockPool pops the null block off the free queue at start."""
+        return max(0, self.num_gpu_blocks - self.null_blocks)
+
+    @property
+    def blocks_per_request(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's get_max_concurrency_for_kv_cache_config: num_blocks / blocks per request."""
+        return self.num_gpu_blocks / self.blocks_per_request
 
     @property
     def num_tokens(self) -> int:
-        return self.num_gpu_blocks * self.block_size
+        """What vLLM logs as the KV cache size: int(max_concurrency × max_model_len).
+
+        vLLM 0.33 computes it from the pool's num_blocks, null block included
+        (kv_cache_utils.get_kv_cache_capacity), so the fake prints the same number.
+        """
+        return int(self.max_concurrency * self.max_model_len)
+
+
+@dataclass(frozen=True)
+class WorkerMemoryReport:
+    """The figures of vLLM's per-worker memory report (gpu_worker.py, utilisation path only)."""
+
+    init_free: int
+    total: int
+    utilization: float
+    requested: int
+    total_consumed: int  # weights + non-torch growth since the snapshot
+    peak_activation: int  # profile peak + the CUDA graph estimate vLLM subtracted
+    cuda_graph: int  # what capture_model really took
+    kv_to_requested_limit: int
+    kv_to_gpu_limit: int
+    available_kv: int
 
 
 class EngineMemoryModel:
@@ -189,6 +251,7 @@ class EngineMemoryModel:
         self.ranks = rank_memory(scenario, config)
         self.plan: KVPlan | None = None
         self.snapshot_free: list[int] = []  # free memory per rank at vLLM's memory snapshot
+        self.requested: list[int] = []
         self.serving_started = False
 
     @property
@@ -229,6 +292,16 @@ class EngineMemoryModel:
 
     # -- start-up -----------------------------------------------------------------------------
 
+    def start_other_processes(self) -> None:
+        """The container's other processes that touch a GPU (the API server on cuda:0, ...).
+
+        They start before the workers, so the workers' memory snapshot sees them as used by
+        other processes: the start-up check counts them, vLLM's KV budget does not.
+        """
+        for m in self.ranks:
+            for name, nbytes in m.others:
+                self.ledger.start_other(m.rank, name, nbytes)
+
     def init_devices(self) -> None:
         """CUDA context, NCCL communicators, custom all-reduce and NVLS buffers."""
         for m in self.ranks:
@@ -255,6 +328,7 @@ class EngineMemoryModel:
                     requested=want,
                 )
             requested.append(want)
+        self.requested = requested
         return requested
 
     def load_weights(self) -> None:
@@ -271,6 +345,14 @@ class EngineMemoryModel:
                 self._release(m.rank, TAG_PROFILE)
 
     def determine_kv(self, requested: Sequence[int]) -> KVPlan:
+        """Each worker's available KV memory, then the engine core's plan (kv_cache_planning.py).
+
+        vLLM 0.33 reserves the null block before its checks: each worker's memory minus one
+        block's bytes (all its layers' pages) must hold one max_model_len request
+        (check_enough_kv_cache_memory), and `--max-model-len auto` fits the length to that
+        same memory. The pool itself is allocated from the full memory (num_blocks =
+        available // block bytes, the minimum over workers).
+        """
         cfg = self.config
         pinned = cfg.kv_cache_memory_bytes is not None
         available = []
@@ -280,20 +362,29 @@ class EngineMemoryModel:
                 avail = cfg.kv_cache_memory_bytes
             else:
                 avail = requested[m.rank] - (m.weights + m.profile_peak + m.cuda_graph)
-            if avail <= 0:
-                raise NoKVCacheMemory(m.rank, avail)
             available.append(avail)
-        blocks = [avail // m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
-        per_request = math.ceil(cfg.max_model_len / cfg.block_size)
-        for m, avail, nblocks in zip(self.ranks, available, blocks, strict=True):
-            if nblocks < per_request:
+        nulls = null_blocks()
+        check = [avail - nulls * m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
+        max_model_len = cfg.max_model_len
+        if cfg.max_model_len_auto:
+            fits = min((c // m.block_bytes) * cfg.block_size for c, m in zip(check, self.ranks, strict=True))
+            if fits <= 0:
+                worst = min(range(self.world_size), key=lambda r: check[r])
+                raise NoKVCacheMemory(worst, check[worst])
+            max_model_len = min(max_model_len, fits)
+        per_request = math.ceil(max_model_len / cfg.block_size)
+        for m, c in zip(self.ranks, check, strict=True):
+            if c <= 0:
+                raise NoKVCacheMemory(m.rank, c)
+            if per_request * m.block_bytes > c:
                 raise KVCacheTooSmall(
                     m.rank,
-                    max_model_len=cfg.max_model_len,
+                    max_model_len=max_model_len,
                     needed=per_request * m.block_bytes,
-                    available=avail,
-                    estimated=nblocks * cfg.block_size,
+                    available=c,
+                    estimated=min(max_model_len, (c // m.block_bytes) * cfg.block_size),
                 )
+        blocks = [avail // m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
         num_blocks = min(blocks)
         self.plan = KVPlan(
             available=tuple(available),
@@ -302,8 +393,37 @@ class EngineMemoryModel:
             kv_bytes=tuple(num_blocks * m.block_bytes for m in self.ranks),
             block_size=cfg.block_size,
             pinned=pinned,
+            max_model_len=max_model_len,
+            null_blocks=nulls,
         )
         return self.plan
+
+    def memory_report(self, rank: int) -> WorkerMemoryReport | None:
+        """vLLM's per-worker report after graph capture; None with --kv-cache-memory-bytes.
+
+        gpu_worker.py: consumed = free at the snapshot − free after profiling (the weights
+        here: nothing else grows between), peak activation = the profile peak + the CUDA
+        graph estimate it subtracted (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, default on),
+        the captured graphs; the two suggestions leave a 150 MiB redundancy buffer.
+        """
+        if self.plan is None or self.plan.pinned:
+            return None
+        m = self.ranks[rank]
+        graphs = 0 if self.config.enforce_eager else m.cuda_graph
+        peak = m.profile_peak + graphs
+        non_kv = m.weights + peak + graphs
+        return WorkerMemoryReport(
+            init_free=self.snapshot_free[rank],
+            total=self.ledger.total(rank),
+            utilization=self.config.gpu_memory_utilization,
+            requested=self.requested[rank],
+            total_consumed=m.weights,
+            peak_activation=peak,
+            cuda_graph=graphs,
+            kv_to_requested_limit=int(self.requested[rank]) - non_kv - REDUNDANCY_BUFFER_BYTES,
+            kv_to_gpu_limit=self.snapshot_free[rank] - non_kv - REDUNDANCY_BUFFER_BYTES,
+            available_kv=self.plan.available[rank],
+        )
 
     def allocate_kv(self) -> None:
         assert self.plan is not None, "determine_kv first"
@@ -352,7 +472,7 @@ class EngineMemoryModel:
         """How many sequences of the load's length the KV cache can hold at once."""
         assert self.plan is not None
         per_seq = math.ceil(self.scenario.load.tokens_per_seq / self.config.block_size)
-        return self.plan.num_gpu_blocks // per_seq
+        return self.plan.usable_blocks // per_seq
 
     def running_levels(self) -> list[int]:
         """The running batch at each ramp level: demand, capped by max_num_seqs and the KV cache."""
@@ -361,6 +481,7 @@ class EngineMemoryModel:
 
     def startup(self) -> KVPlan:
         """Every start-up phase in vLLM's order (what `outcome()` replays without pauses)."""
+        self.start_other_processes()
         self.init_devices()
         requested = self.check_free_memory()
         self.load_weights()

@@ -150,6 +150,8 @@ def true_max_safe_kv(
 ) -> SafeCapacity:
     """min over ranks of total − every non-KV byte − the transient peak at the scenario's max load.
 
+    Every non-KV byte includes what the container's other processes hold on that GPU.
+
     Two moments bound each rank: serving at peak load (serving communicators + the logits of
     the peak batch) and the sampler warm-up at start-up (logits for max_num_seqs before the
     serving communicators exist). The peak batch is the load's peak capped by max_num_seqs;
@@ -170,7 +172,7 @@ def true_max_safe_kv(
     headroom = []
     blocks = []
     for m in rank_memory(scenario, config):
-        fixed = m.init + m.weights + m.cuda_graph
+        fixed = m.other_bytes + m.init + m.weights + m.cuda_graph
         worst = max(m.serving + m.transient(peak), m.transient(warmup))
         room = max(0, scenario.gpu.total_bytes - fixed - worst)
         headroom.append(room)
@@ -197,7 +199,8 @@ def describe(scenario: Scenario) -> Iterator[str]:
     yield f"  GPU {scenario.gpu.name}: {gib(scenario.gpu.total_bytes):.2f} GiB"
     for m in rank_memory(scenario, config):
         yield (
-            f"  rank {m.rank}: init {gib(m.init):.2f} GiB, weights {gib(m.weights):.2f}, profile "
+            f"  rank {m.rank}: other processes {gib(m.other_bytes):.2f} GiB, init {gib(m.init):.2f} GiB, "
+            f"weights {gib(m.weights):.2f}, profile "
             f"{gib(m.profile_peak):.2f}, graphs {gib(m.cuda_graph):.2f}, serving comm {gib(m.serving):.2f}, "
             f"logits {m.logits_per_seq} B/seq, KV {m.kv_bytes_per_token} B/token"
         )

@@ -49,7 +49,7 @@ from rankguard_sim import gpus
 from rankguard_sim.engine_config import EngineConfig, EngineConfigError
 from rankguard_sim.engine_failures import EngineFailure, GpuLost
 from rankguard_sim.engine_memory import EngineMemoryModel, KVPlan
-from rankguard_sim.scenario_data import GIB, Scenario, ScenarioError
+from rankguard_sim.scenario_data import Scenario, ScenarioError
 from rankguard_sim.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
 from rankguard_sim.vllm_args import VLLM_VERSION, config_from_args, non_default_args, parse_args
 from rankguard_sim.vllm_console import (
@@ -62,6 +62,7 @@ from rankguard_sim.vllm_console import (
 )
 from rankguard_sim.vllm_ledger import FileLedger, select_gpus
 from rankguard_sim.vllm_metrics import Metrics
+from rankguard_sim.vllm_snapshot import format_gib, message, where
 
 TIME_SCALE_ENV = "RANKGUARD_SIM_TIME_SCALE"
 PEAK_HOLD_ENV = "RANKGUARD_SIM_PEAK_HOLD_S"
@@ -184,7 +185,7 @@ class FakeVllm:
         started = time.monotonic()
         c.info(
             "EngineCore_DP0",
-            "core.py:77",
+            "core.py:140",
             f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model='{self.args.model_tag}', "
             f"dtype={TORCH_DTYPE.get(cfg.dtype, 'torch.' + cfg.dtype)}, max_seq_len={cfg.max_model_len}, "
             f"tensor_parallel_size={cfg.tensor_parallel_size}, "
@@ -194,23 +195,25 @@ class FakeVllm:
         if self.settings.fail_startup:
             await self.pause(PHASE_SECONDS["init-device"])
             raise EngineStartupMessage(self.settings.fail_startup)
+        self.engine.start_other_processes()  # the API server / engine core touching cuda:0
         self.engine.init_devices()
         await self.pause(PHASE_SECONDS["init-device"])
         requested = self.engine.check_free_memory()
         for _, who in self.workers():
-            c.info(who, "gpu_model_runner.py:2602", f"Starting to load model {self.args.model_tag}...")
+            c.info(who, "gpu_model_runner.py:4979", f"Starting to load model {self.args.model_tag}...")
         if s.host_memory is not None:
             self.host.report(s.host_memory.after_load_bytes)  # weights are staged in host memory
         load_started = time.monotonic()
         self.engine.load_weights()
         await self.pause(PHASE_SECONDS["load-model"])
         took = time.monotonic() - load_started
+        runner = "gpu_model_runner.py"  # vLLM's v1 model runner (the snapshot also has gpu/model_runner.py)
         for rank, who in self.workers():
-            gib_used = round(self.engine.ranks[rank].weights / GIB, 4)
+            weights = format_gib(self.engine.ranks[rank].weights)
             c.info(
                 who,
-                "gpu_model_runner.py:2634",
-                f"Model loading took {gib_used} GiB memory and {took:.6f} seconds",
+                where("model_loading", runner),
+                message("model_loading", weights, took, file_suffix=runner),
             )
         self.engine.profile()
         await self.pause(PHASE_SECONDS["profile-run"])
@@ -218,23 +221,28 @@ class FakeVllm:
         for rank, who in self.workers():
             avail = plan.available[rank]
             if plan.pinned:
+                # Not in the snapshot: the fake's own rendering of vLLM's line (first sentences).
                 c.info(
                     who,
-                    "gpu_worker.py:282",
-                    f"Initial free memory {self.engine.snapshot_free[rank] / GIB:.2f} GiB, reserved "
-                    f"{avail / GIB:.2f} GiB memory for KV Cache as specified by kv_cache_memory_bytes "
+                    "gpu_worker.py:676",
+                    f"Initial free memory {format_gib(self.engine.snapshot_free[rank])} GiB, reserved "
+                    f"{format_gib(avail)} GiB memory for KV Cache as specified by kv_cache_memory_bytes "
                     "config and skipped memory profiling. This does not respect the "
                     "gpu_memory_utilization config.",
                 )
             else:
-                c.info(who, "gpu_worker.py:298", f"Available KV cache memory: {avail / GIB:.2f} GiB")
-        c.info("EngineCore_DP0", "kv_cache_utils.py:1087", f"GPU KV cache size: {plan.num_tokens:,} tokens")
-        per_request = math.ceil(cfg.max_model_len / cfg.block_size)
-        concurrency = plan.num_gpu_blocks / per_request
+                c.info(who, where("available_kv_memory"), message("available_kv_memory", format_gib(avail)))
+        # One line since vLLM 0.2x: pool name ("GPU" on CUDA), tokens, length, concurrency.
         c.info(
             "EngineCore_DP0",
-            "kv_cache_utils.py:1091",
-            f"Maximum concurrency for {cfg.max_model_len:,} tokens per request: {concurrency:.2f}x",
+            where("kv_cache_size"),
+            message(
+                "kv_cache_size",
+                "GPU",
+                f"{plan.num_tokens:,}",
+                f"{plan.max_model_len:,}",
+                plan.max_concurrency,
+            ),
         )
         self.engine.allocate_kv()
         await self.pause(PHASE_SECONDS["initialize-kv-cache"])
@@ -243,12 +251,13 @@ class FakeVllm:
             await self.pause(PHASE_SECONDS["capture-cuda-graphs"])
             capture_s = PHASE_SECONDS["capture-cuda-graphs"] / self.settings.time_scale
             for rank, who in self.workers():
-                graphs = self.engine.ranks[rank].cuda_graph / GIB
+                graphs = self.engine.ranks[rank].cuda_graph / (1 << 30)
                 c.info(
                     who,
-                    "gpu_model_runner.py:3480",
+                    "gpu_model_runner.py:6517",
                     f"Graph capturing finished in {capture_s:.0f} secs, took {graphs:.2f} GiB",
                 )
+        self.print_memory_reports()
         self.engine.warm_up_sampler()
         await self.pause(PHASE_SECONDS["sampler-warmup"])
         c.info(
@@ -260,13 +269,50 @@ class FakeVllm:
         self.metrics.set_cache_config(cfg, plan)
         return plan
 
+    def print_memory_reports(self) -> None:
+        """After graph capture, each worker's memory report and graph-pool line (utilisation only).
+
+        vLLM's gpu_worker.py prints both only when it profiled (no --kv-cache-memory-bytes);
+        the graph-pool comparison only when it estimated graphs (not --enforce-eager). The
+        fake's estimate is exact, so the difference is 0.
+        """
+        for rank, who in self.workers():
+            report = self.engine.memory_report(rank)
+            if report is None:
+                continue
+            if report.cuda_graph > 0:
+                actual = round(report.cuda_graph / 2**30, 2)
+                self.console.info(
+                    who, where("cuda_graph_pool"), message("cuda_graph_pool", actual, actual, 0.0, 0.0)
+                )
+            self.console.info(
+                who,
+                where("worker_memory_report"),
+                message(
+                    "worker_memory_report",
+                    format_gib(report.init_free),
+                    format_gib(report.total),
+                    report.utilization,
+                    format_gib(report.requested),
+                    format_gib(report.total_consumed),
+                    format_gib(report.peak_activation),
+                    format_gib(report.cuda_graph),
+                    report.kv_to_requested_limit,
+                    format_gib(report.kv_to_requested_limit),
+                    report.kv_to_gpu_limit,
+                    format_gib(report.kv_to_gpu_limit),
+                    format_gib(report.available_kv),
+                ),
+            )
+
     # -- serving ------------------------------------------------------------------------------
 
     async def step(self, running: int, demand: int, plan: KVPlan) -> None:
         """One visible transient: allocate this batch's logits, hold, release."""
         self.engine.begin_step(running)
         per_seq = math.ceil(self.scenario.load.tokens_per_seq / self.config.block_size)
-        usage = min(1.0, running * per_seq / plan.num_gpu_blocks) if plan.num_gpu_blocks else 0.0
+        # BlockPool.get_usage: used / (num_blocks - 1), the null block left out
+        usage = min(1.0, running * per_seq / plan.usable_blocks) if plan.usable_blocks else 0.0
         self.metrics.set_load(running, max(0, demand - running), usage)
         try:
             await self.pause(self.settings.peak_hold_s, scaled=False)
@@ -332,7 +378,9 @@ class FakeVllm:
                 "object": "model",
                 "owned_by": "vllm",
                 "root": self.args.model_tag,
-                "max_model_len": self.config.max_model_len,
+                "max_model_len": self.engine.plan.max_model_len
+                if self.engine.plan is not None
+                else self.config.max_model_len,
             }
             for n in names
         ]
@@ -437,6 +485,8 @@ def _fail(console: Console, text: str) -> int:
 def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = parse_args(argv)  # exits 2 on a bad command line, before anything else
+    if args.model_tag is None:
+        args.model_tag = args.model  # vLLM: no positional, so --model's value (or its default)
     pid = os.getpid()
     console = Console(pid)
     console.info(
@@ -444,7 +494,7 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         "api_server.py:1805",
         f"vLLM API server version {VLLM_VERSION} (simulated by rankguard_sim)",
     )
-    console.info("APIServer", "utils.py:328", f"non-default args: {non_default_args(args)}")
+    console.info("APIServer", "startup.py:96", f"non-default args: {non_default_args(args)}")
     try:
         settings = Settings.from_env(env)
     except ValueError as e:

@@ -10,6 +10,9 @@ python3, python            this interpreter with `-S` and only the third-party s
                            on PYTHONPATH (after the pod's own PYTHONPATH): like a vLLM image,
                            it has aiohttp, torch, pynvml… but not rankguard's own packages,
                            so the agent can only run from the copy its init container made.
+                           Like a vLLM image it also has vLLM's distribution metadata:
+                           `importlib.metadata.version("vllm")` is the snapshot's version
+                           (a generated `vllm-<version>.dist-info`, no importable package).
 vllm                       the fake vLLM (sim/rankguard_sim/bin/vllm), with the repo's sim/
                            folder prepended to PYTHONPATH so the shim finds rankguard_sim.
 rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguard_agent (and
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 from .podspec import ImageTable
+from .vllm_snapshot import version as vllm_version
 
 SIM_DIR = Path(__file__).resolve().parents[1]  # the repo's sim/ source root
 REPO = SIM_DIR.parent
@@ -51,6 +55,20 @@ def pynvml_file() -> str | None:
     return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
+def write_vllm_dist_info(folder: Path) -> Path:
+    """A minimal installed-distribution record for the simulated vLLM under `folder`.
+
+    What `importlib.metadata.version("vllm")` reads in a vLLM image, generated from the
+    snapshot's version; `folder` goes on the container python's path only (never on the
+    test process's), so nothing outside a simulated container sees a "vllm" distribution.
+    """
+    ver = vllm_version()
+    info = folder / f"vllm-{ver}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n")
+    return folder
+
+
 def _script(body: str) -> str:
     return "#!/bin/sh\n# Written by the rankguard process kubelet (rankguard_sim.image).\n" + body
 
@@ -59,7 +77,8 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     """Write the launchers into `folder` and return the table that maps commands to them."""
     folder.mkdir(parents=True, exist_ok=True)
     q = shlex.quote
-    site_path = ":".join(third_party_paths())
+    dist = write_vllm_dist_info(folder / "vllm-dist")
+    site_path = ":".join([str(dist), *third_party_paths()])
     py = _script(
         f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
         f'exec {q(python)} -S "$@"\n'

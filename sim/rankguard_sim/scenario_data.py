@@ -22,7 +22,9 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
-PHASES = ("init", "weights", "profile", "cuda_graph", "serving")
+# "other_process": memory other processes of the vLLM container hold on this rank's GPU before
+# the workers start (the API server / engine core touching cuda:0): outside vLLM's budget.
+PHASES = ("other_process", "init", "weights", "profile", "cuda_graph", "serving")
 LOGITS_MODES = ("gather", "all_gather")
 SCALES_WITH = ("max_num_batched_tokens", "dtype")
 DISABLED_BY = ("disable_custom_all_reduce", "enforce_eager")
@@ -115,7 +117,8 @@ class EngineDefaults:
 
 @dataclass(frozen=True)
 class LogitsSpec:
-    mode: str  # "gather": full-vocab logits on TP rank 0 of the last stage; "all_gather": on all
+    mode: str  # "all_gather" (vLLM v1): full-vocab logits on every rank of the last stage;
+    # "gather" (vLLM <= 0.6, v0): on TP rank 0 of the last stage only
     dtype_bytes: int
     source: str
 

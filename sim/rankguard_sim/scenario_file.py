@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .engine_config import BLOCK_SIZES, DTYPE_BYTES
+from .engine_config import DTYPE_BYTES
 from .scenario_data import (
     DISABLED_BY,
     GIB,
@@ -34,6 +34,7 @@ from .scenario_data import (
     gib,
     parse_bytes,
 )
+from .vllm_snapshot import SNAPSHOT_VERSION, default_block_size
 
 SCENARIO_ENV = "RANKGUARD_SIM_SCENARIO"
 
@@ -202,8 +203,11 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         block_size=d.integer("block_size", 1),
         source=d.source(),
     )
-    if defaults.block_size not in BLOCK_SIZES:
-        raise ScenarioError(f"{where}.engine_defaults.block_size: must be one of {BLOCK_SIZES}")
+    if defaults.block_size != default_block_size():
+        raise ScenarioError(
+            f"{where}.engine_defaults.block_size: vLLM {SNAPSHOT_VERSION}'s default is "
+            f"{default_block_size()} (its snapshot's engine.json), got {defaults.block_size}"
+        )
     d.done()
 
     lg = r.sub("logits")
@@ -272,7 +276,9 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
 def _check_fits_at_rest(s: Scenario, where: str) -> None:
     """A world where the model cannot even be loaded is a typo, not a scenario."""
     for rank in range(s.world_size):
-        fixed = sum(s.phase_bytes(rank, p) for p in ("init", "weights", "cuda_graph", "serving"))
+        fixed = sum(
+            s.phase_bytes(rank, p) for p in ("other_process", "init", "weights", "cuda_graph", "serving")
+        )
         if fixed >= s.gpu.total_bytes:
             raise ScenarioError(
                 f"{where}: rank {rank} needs {gib(fixed):.2f} GiB before any KV cache, "

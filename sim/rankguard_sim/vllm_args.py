@@ -1,4 +1,11 @@
-"""vLLM's command line for the fake `vllm serve`: the flags it accepts and the EngineConfig they give.
+"""vLLM's command line for the fake `vllm serve`, built from the real parser's snapshot.
+
+Every option of the recorded vLLM (`rankguard_operator/vllm_snapshots/<version>/cli.json`)
+is accepted with all its spellings, its nargs and its type conversion, so a command line the
+real `vllm serve` accepts parses here too, and one it refuses (unknown flag, bad value) exits
+2 with argparse's usage error. The argv goes through the same preprocessing as vLLM's
+`FlexibleArgumentParser` first (`_` for `-` in long names, dotted JSON args, `-O3`). The fake
+then uses the values it models (`config_from_args`) and ignores the rest.
 
 Kept apart from the server so that anything holding a rendered `vllm serve ...` argv (the
 benchmark, tests) resolves it exactly as the fake vLLM does, without starting a process.
@@ -7,67 +14,286 @@ benchmark, tests) resolves it exactly as the fake vLLM does, without starting a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from typing import Any
 
-from rankguard_sim.engine_config import BLOCK_SIZES, DTYPES, KV_CACHE_DTYPES, EngineConfig, engine_config
+from rankguard_sim.engine_config import EngineConfig, engine_config
 from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.vllm_snapshot import snapshot, version
 
-VLLM_VERSION = "0.11.0"
+VLLM_VERSION = version()
+
+Converter = Callable[[str], Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Type conversions: vllm/utils/argparse_utils.py and vllm/engine/arg_utils.py semantics
 
 
 def human_readable_int(value: str) -> int:
-    """vLLM's size syntax: 1k = 1000, 1K = 1024 (likewise m/M, g/G, t/T); plain integers too."""
-    text = value.strip().replace("_", "")
-    units = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
-    if text and text[-1] in "kmgt":
-        return round(float(text[:-1]) * units[text[-1]])
-    if text and text[-1] in "KMGT":
-        return int(text[:-1]) * int(1024 ** ("KMGT".index(text[-1]) + 1))
-    return int(text)
+    """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (m/M, g/G, t/T); 25.6k; plain integers.
+
+    Decimals with a binary suffix are refused (argparse.ArgumentTypeError), as vLLM does.
+    """
+    value = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if match:
+        number, suffix = match.groups()
+        decimal = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+        binary = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        if suffix in decimal:
+            return int(float(number) * decimal[suffix])
+        try:
+            return int(number) * binary[suffix]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"Decimals are not allowed with binary suffixes like {suffix}"
+            ) from e
+    return int(value)
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """human_readable_int, plus `-1` or `auto` (any case) meaning -1: fit to the KV memory."""
+    value = value.strip()
+    if value == "-1" or value.lower() == "auto":
+        return -1
+    return human_readable_int(value)
+
+
+def _parse_type(convert: Converter) -> Converter:
+    """vLLM's parse_type: a ValueError becomes argparse's ArgumentTypeError (exit 2)."""
+
+    def parse(val: str) -> Any:
+        try:
+            return convert(val)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"Value {val} cannot be converted to {convert}.") from e
+
+    return parse
+
+
+def _optional_type(convert: Converter) -> Converter:
+    """vLLM's optional_type: "" and "None" are None, anything else converts."""
+
+    def parse(val: str) -> Any:
+        if val in {"", "None"}:
+            return None
+        return _parse_type(convert)(val)
+
+    return parse
+
+
+def _opaque(val: str) -> str:
+    return val
+
+
+_PLAIN_TYPES: dict[str, Converter] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "human_readable_int": human_readable_int,
+    "human_readable_int_or_auto": human_readable_int_or_auto,
+    "json": _parse_type(json.loads),
+    "opaque": _opaque,
+}
+
+
+def converter(type_doc: Mapping[str, Any] | None) -> Converter | None:
+    """The argparse `type` for one cli.json type description (None: no conversion)."""
+    if type_doc is None:
+        return None
+    name = type_doc.get("name")
+    if name == "optional":
+        inner = converter(type_doc.get("of")) or str
+        return _optional_type(inner)
+    if name in _PLAIN_TYPES:
+        return _PLAIN_TYPES[str(name)]
+    raise ValueError(f"cli.json: unknown type {type_doc!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
+class _Switch(argparse.Action):
+    """vLLM's BooleanOptionalAction / EnableDisableAction: True unless a negative spelling."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, negative: Sequence[str] = (), **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.negative = frozenset(negative)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, option_string not in self.negative)
+
+
+def _default(value: Any) -> Any:
+    return argparse.SUPPRESS if value == argparse.SUPPRESS else value
+
+
+def _add_option(parser: argparse.ArgumentParser, opt: Mapping[str, Any]) -> None:
+    strings = list(opt["option_strings"])
+    kind = opt["kind"]
+    common: dict[str, Any] = {"dest": opt["dest"], "default": _default(opt.get("default"))}
+    if kind == "switch":
+        parser.add_argument(
+            *strings, action=_Switch, negative=opt.get("negative_option_strings", ()), **common
+        )
+        return
+    if kind == "true":
+        parser.add_argument(*strings, action="store_true", **common)
+        return
+    kwargs: dict[str, Any] = dict(common)
+    convert = converter(opt.get("type"))
+    if convert is not None:
+        kwargs["type"] = convert
+    if opt.get("nargs") is not None:
+        kwargs["nargs"] = opt["nargs"]
+    if opt.get("choices") is not None:
+        kwargs["choices"] = list(opt["choices"])
+    if kind == "append":
+        kwargs["action"] = "append"
+    elif kind not in ("value", "custom"):
+        raise ValueError(f"cli.json: option {opt['dest']} has unknown kind {kind!r}")
+    parser.add_argument(*strings, **kwargs)
+
+
+@cache
+def _cli() -> dict[str, Any]:
+    cli: dict[str, Any] = snapshot().cli
+    return cli
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`vllm` with its `serve` subcommand, every option from the snapshot's cli.json."""
+    cli = _cli()
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI (simulated by rankguard_sim)")
     parser.add_argument("-v", "--version", action="version", version=VLLM_VERSION)
     sub = parser.add_subparsers(dest="subparser", required=True)
-    serve = sub.add_parser("serve", help="Start the vLLM OpenAI Compatible API server.")
-    serve.add_argument("model_tag", help="The model tag to serve")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", nargs="+", default=None)
-    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    serve.add_argument("--gpu-memory-utilization", type=float, default=None)
-    serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-model-len", type=human_readable_int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
-    serve.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
-    serve.add_argument("--dtype", choices=DTYPES, default="auto")
-    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    serve.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
-    serve.add_argument("--disable-custom-all-reduce", action="store_true")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    serve.add_argument("--trust-remote-code", action="store_true")
-    serve.add_argument("--seed", type=int, default=None)
-    serve.add_argument("--disable-log-stats", action="store_true")
-    serve.add_argument(
-        "--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    serve = sub.add_parser(
+        "serve",
+        help="Start the vLLM OpenAI Compatible API server.",
+        allow_abbrev=bool(cli.get("allow_abbrev", True)),
     )
+    for pos in cli.get("positionals", []):
+        serve.add_argument(pos["dest"], nargs=pos.get("nargs"))
+    for opt in cli["options"]:
+        _add_option(serve, opt)
     return parser
 
 
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """vLLM's FlexibleArgumentParser accepts --max_model_len as well as --max-model-len."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and len(arg) > 2:
-            key, eq, value = arg.partition("=")
-            out.append(key.replace("_", "-") + eq + value)
+def options() -> list[dict[str, Any]]:
+    """The snapshot's `vllm serve` options (cli.json), for tests and tools."""
+    return list(_cli()["options"])
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexibleArgumentParser's argv preprocessing
+
+
+_NAME = re.compile(r"(?<=--)[^.]*")
+
+
+def _dashes(match: re.Match[str]) -> str:
+    return match.group(0).replace("_", "-")
+
+
+def _nested(keys: list[str], value: Any) -> Any:
+    for key in reversed(keys):
+        value = {key: value}
+    return value
+
+
+def _merge(original: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(original.get(k), dict):
+            _merge(original[k], v)
+        elif isinstance(v, list) and isinstance(original.get(k), list):
+            original[k] += v
         else:
-            out.append(arg)
+            original[k] = v
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """What vLLM's FlexibleArgumentParser.parse_args does to argv before argparse sees it.
+
+    `--model X` moves to the positional; `_` becomes `-` in a long option's name (up to the
+    first `.`); `-O3`, `-O=3` and `-O 3` become `--optimization-level 3`; dotted JSON
+    arguments (`--json-arg.key value`, `--json-arg.key+ a,b`) are merged into one JSON value
+    per argument, appended at the end as vLLM does.
+    """
+    args = list(argv)
+    if args and args[0] == "serve":
+        for i, arg in enumerate(args):
+            if re.match(r"^--model(=.+|$)", arg):
+                if arg == "--model" and i + 1 < len(args):
+                    tag, rest = args[i + 1], i + 2
+                else:
+                    tag, rest = arg.removeprefix("--model="), i + 1
+                args = ["serve", tag, *args[1:i], *args[rest:]]
+                break
+    processed: list[str] = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            if "=" in arg:
+                name, text = arg.split("=", 1)
+                processed.append(f"{_NAME.sub(_dashes, name, count=1)}={text}")
+            else:
+                processed.append(_NAME.sub(_dashes, arg, count=1))
+        elif arg.startswith("-O") and arg != "-O":
+            processed += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+        elif arg == "-O" and i + 1 < len(args) and args[i + 1] in {"0", "1", "2", "3"}:
+            processed.append("--optimization-level")
+        else:
+            processed.append(arg)
+
+    delete: set[int] = set()
+    dict_args: defaultdict[str, dict[str, Any]] = defaultdict(dict)
+    for i, token in enumerate(processed):
+        if i in delete:
+            continue
+        if token.startswith("--") and "." not in token:
+            continue
+        if token.startswith("-") and "." in token:
+            arg = token
+            if "=" in arg:
+                arg, value_str = arg.split("=", 1)
+                if "." not in arg:
+                    continue  # the '.' was only in the value
+            elif i + 1 < len(processed):
+                value_str = processed[i + 1]
+                delete.add(i + 1)
+            else:
+                continue  # argparse reports the missing value
+            if arg.endswith("+"):
+                arg = arg[:-1]
+                value_str = json.dumps(value_str.split(","))
+            key, *keys = arg.split(".")
+            parsed: Any
+            try:
+                parsed = json.loads(value_str)
+            except json.JSONDecodeError:
+                try:
+                    parsed = human_readable_int(value_str)
+                except (ValueError, argparse.ArgumentTypeError):
+                    parsed = value_str
+            _merge(dict_args[key], _nested(keys, parsed))
+            delete.add(i)
+    out = [a for i, a in enumerate(processed) if i not in delete]
+    for name, merged in dict_args.items():
+        out += [name, json.dumps(merged)]
     return out
 
 
@@ -76,31 +302,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return build_parser().parse_args(normalize_argv(argv))
 
 
-NON_DEFAULT_KEYS = (
-    "model_tag",
-    "host",
-    "port",
-    "served_model_name",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "gpu_memory_utilization",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "max_model_len",
-    "max_num_batched_tokens",
-    "block_size",
-    "dtype",
-    "kv_cache_dtype",
-    "enforce_eager",
-    "disable_custom_all_reduce",
-)
+@cache
+def _defaults() -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(vars(build_parser().parse_args(["serve"])).items()))
 
 
 def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
-    defaults = vars(build_parser().parse_args(["serve", "x"]))
-    return {
-        k: getattr(args, k) for k in NON_DEFAULT_KEYS if k == "model_tag" or getattr(args, k) != defaults[k]
-    }
+    """What vLLM logs as `non-default args`: every value that differs from its default."""
+    defaults = dict(_defaults())
+    out = {"model_tag": args.model_tag} if args.model_tag is not None else {}
+    for key, value in vars(args).items():
+        if key in ("subparser", "model_tag") or key not in defaults:
+            continue
+        if value != defaults[key]:
+            out[key] = value
+    return out
 
 
 def config_from_args(
@@ -108,8 +324,9 @@ def config_from_args(
 ) -> EngineConfig:
     """The EngineConfig parsed flags give on this scenario (raises EngineConfigError as vLLM refuses).
 
-    `env` is read for VLLM_ALLOW_LONG_MAX_MODEL_LEN only; None means this process's environment,
-    which is what the fake vLLM uses.
+    Only the flags the simulated world models are read; every other option the real vLLM
+    accepts is parsed and ignored. `env` is read for VLLM_ALLOW_LONG_MAX_MODEL_LEN only;
+    None means this process's environment, which is what the fake vLLM uses.
     """
     env = os.environ if env is None else env
     return engine_config(
@@ -125,7 +342,7 @@ def config_from_args(
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=bool(args.enforce_eager),
-        disable_custom_all_reduce=args.disable_custom_all_reduce,
+        disable_custom_all_reduce=bool(args.disable_custom_all_reduce),
         allow_long_max_model_len=env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True"),
     )
 

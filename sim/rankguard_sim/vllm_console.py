@@ -1,7 +1,9 @@
 """What the fake vLLM prints: vLLM's log-line prefixes, worker names and failure tracebacks.
 
-The agent and the kubelet read these lines as they would read real vLLM's, so the formats,
-the file/line references and the exception wording follow vLLM 0.11 and PyTorch.
+The agent and the kubelet read these lines as they would read real vLLM's. vLLM's own
+messages are rendered from the recorded vLLM 0.33.0 snapshot (`vllm_snapshot`); the traceback
+frames below are illustrative: the start-up refusals' frames point at vLLM 0.33.0's source
+lines, the others keep older line numbers (nothing reads them).
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from rankguard_sim.engine_failures import CudaOutOfMemory, EngineFailure, GpuLost, SamplerWarmupOOM
+from rankguard_sim.engine_failures import (
+    CudaOutOfMemory,
+    EngineFailure,
+    GpuLost,
+    NoKVCacheMemory,
+    SamplerWarmupOOM,
+)
 from rankguard_sim.engine_memory import TAG_SERVING_COMM
 from rankguard_sim.scenario_data import Scenario
 
@@ -199,24 +207,21 @@ def failure_lines(failure: EngineFailure) -> list[str]:
             lines += ["", "The above exception was the direct cause of the following exception:", ""]
             lines += traceback_lines(_FRAMES["sampler-warmup"][:1], f"RuntimeError: {failure.advice()}")
         return lines
+    kv_raise = 57 if isinstance(failure, NoKVCacheMemory) else 77
     frames = {
         "init-device": [
-            (
-                "v1/worker/gpu_worker.py",
-                239,
-                "init_device",
-                "self.requested_memory = request_memory(init_snapshot, self.cache_config)",
-            ),
-            ("v1/worker/utils.py", 435, "request_memory", "raise ValueError("),
+            ("v1/worker/gpu_worker.py", 542, "init_device", "self.requested_memory = request_memory("),
+            ("v1/worker/utils.py", 762, "request_memory", "raise ValueError("),
         ],
         "kv-cache": [
             (
                 "v1/engine/core.py",
-                227,
+                321,
                 "_initialize_kv_caches",
-                "kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs,",
+                "kv_cache_configs = get_kv_cache_configs(",
             ),
-            ("v1/core/kv_cache_utils.py", 712, "check_enough_kv_cache_memory", "raise ValueError("),
+            ("v1/core/kv_cache_planning.py", 1554, "get_kv_cache_configs", "_check_enough_kv_cache_memory("),
+            ("v1/core/kv_cache_planning.py", kv_raise, "_check_enough_kv_cache_memory", "raise ValueError("),
         ],
     }.get(failure.phase, _FRAMES.get(failure.phase, []))
     kind = "RuntimeError" if isinstance(failure, GpuLost) else "ValueError"

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 
 from rankguard_sim import gpus
 
 ALLOCATION_TAG = "vllm"
+OTHER_TAG = "cuda-context"
+
+# A stand-in process for another process of the container (the API server holding a CUDA
+# context on cuda:0): it lives until its stdin closes, so it dies with the fake even after
+# SIGKILL, and readers then ignore its allocation file (a dead pid).
+_HELPER = [sys.executable, "-S", "-c", "import sys; sys.stdin.buffer.read()"]
 
 
 class FileLedger:
@@ -19,6 +28,8 @@ class FileLedger:
         self.pid = os.getpid() if pid is None else pid
         self.allocations = [gpus.Allocation(root, u, ALLOCATION_TAG, pid=self.pid) for u in self.uuids]
         self.tags: list[dict[str, int]] = [{} for _ in self.uuids]
+        self.helpers: dict[str, subprocess.Popen[bytes]] = {}
+        self.other_allocations: list[gpus.Allocation] = []
 
     def total(self, rank: int) -> int:
         return gpus.read_device(self.root, self.uuids[rank]).total_bytes
@@ -43,6 +54,18 @@ class FileLedger:
                 per_pid[proc.pid] = per_pid.get(proc.pid, 0) + proc.bytes
         return sorted(per_pid.items())
 
+    def start_other(self, rank: int, name: str, nbytes: int) -> None:
+        """Another process of the container holds `nbytes` on this GPU (its own pid, as in NVML)."""
+        helper = self.helpers.get(name)
+        if helper is None:
+            helper = subprocess.Popen(
+                _HELPER, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            self.helpers[name] = helper
+        alloc = gpus.Allocation(self.root, self.uuids[rank], OTHER_TAG, pid=helper.pid)
+        alloc.add(nbytes)
+        self.other_allocations.append(alloc)
+
     def lost(self, rank: int) -> bool:
         return gpus.read_device(self.root, self.uuids[rank]).lost
 
@@ -50,6 +73,16 @@ class FileLedger:
         for alloc in self.allocations:
             alloc.release()
         self.tags = [{} for _ in self.uuids]
+        for other in self.other_allocations:
+            other.release()
+        self.other_allocations = []
+        for helper in self.helpers.values():
+            with contextlib.suppress(OSError):
+                if helper.stdin is not None:
+                    helper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                helper.wait(timeout=2)
+        self.helpers = {}
 
 
 def select_gpus(env: Mapping[str, str]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -20,11 +21,12 @@ import pytest
 
 from rankguard_sim import fake_vllm, gpus, vllm_args, vllm_console, vllm_ledger
 from rankguard_sim.engine_config import engine_config
-from rankguard_sim.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
-from rankguard_sim.engine_memory import TAG_TRANSIENT, rank_memory
+from rankguard_sim.engine_failures import KV_CACHE_TOO_SMALL, CudaOutOfMemory, SamplerWarmupOOM
+from rankguard_sim.engine_memory import TAG_TRANSIENT, EngineMemoryModel, PureLedger, rank_memory
 from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
 from rankguard_sim.scenario_data import Scenario
 from rankguard_sim.scenario_file import SCENARIO_ENV, load_scenario
+from rankguard_sim.vllm_snapshot import format_gib, message, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
@@ -166,9 +168,16 @@ def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(ru
     proc, out, _ = runner.start(world, args, **{fake_vllm.PEAK_HOLD_ENV: "0.3"})
     wait_for(lambda: http_get(port, "/health")[0] == 200)
 
-    # Every rank holds its allocation under this process's pid; rank 0 holds the most.
-    assert {p.name.split("-", 1)[0] for p in world.files()} == {str(proc.pid)}
-    assert world.used(0) > world.used(1) == world.used(2) == world.used(3) > 60 * GIB
+    # Every rank holds its allocation under this process's pid, the same on every rank; GPU 0
+    # also holds the container's other processes (API server, engine core) under their own pids.
+    mine = [p for p in world.files() if p.name.split("-", 1)[0] == str(proc.pid)]
+    assert len(mine) == 4 and all(p.name.endswith("-vllm.json") for p in mine)
+    others = [p for p in world.files() if p not in mine]
+    assert others and {p.parent.parent.name for p in others} == {world.uuids[0]}
+    assert len({p.name.split("-", 1)[0] for p in others}) == 2  # two processes: two pids
+    own = [gpus.process_bytes(world.root, u, proc.pid) for u in world.uuids]
+    assert own[0] == own[1] == own[2] == own[3] > 60 * GIB
+    assert world.used(0) > world.used(1) == world.used(2) == world.used(3)
 
     # The transient peaks are held long enough for a 10 Hz sampler to see them.
     seen = set()
@@ -187,10 +196,16 @@ def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(ru
     assert json.loads(http_get(port, "/v1/models")[1])["data"][0]["id"] == "llama"
 
     log = out.read_text()
-    assert f"GPU KV cache size: {expected.kv_tokens:,} tokens" in log
-    assert "Available KV cache memory: " in log
-    assert re.search(r"Model loading took 32\.854\d GiB memory and \d+\.\d{6} seconds", log)
-    assert re.search(r"Maximum concurrency for 8,192 tokens per request: \d+\.\d\dx", log)
+    # vLLM 0.33's one KV line, rendered from the snapshot's template (pool "GPU" on CUDA).
+    kv_line = message(
+        "kv_cache_size", "GPU", f"{expected.kv_tokens:,}", "8,192", expected.num_gpu_blocks / 512
+    )
+    assert kv_line.startswith("GPU KV cache size: ") and ", Maximum concurrency for 8,192" in kv_line
+    assert log.count(kv_line) == 1
+    assert log.count("Maximum concurrency") == 1  # no second line as vLLM <= 0.11 printed
+    assert "[kv_cache_utils.py:1148] " + kv_line in log
+    assert log.count("Available KV cache memory: ") == 4
+    assert re.search(r"Model loading took 32\.85 GiB memory and \d+\.\d{6} seconds", log)
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
@@ -279,7 +294,7 @@ def test_startup_refusal_when_free_memory_is_below_the_utilisation(runner: Runne
         stranger.release()
     assert rc == 1
     assert re.search(
-        r"ValueError: Free memory on device cuda:1 \(\d+\.\d\d/79\.14 GiB\) on startup is less than desired "
+        r"ValueError: Free memory on device cuda:1 \(\d+\.\d+/79\.14 GiB\) on startup is less than desired "
         r"GPU memory utilization \(0\.92, 72\.81 GiB\)",
         err,
     )
@@ -409,3 +424,250 @@ def test_sampler_warmup_oom_is_chained_like_vllm() -> None:
     assert lines[-1].startswith(
         "RuntimeError: CUDA out of memory occurred when warming up sampler with 256 dummy"
     )
+
+
+# -- the parser is the snapshot's (vLLM 0.33.0) -------------------------------------------------
+
+SAMPLES = {
+    "str": "x",
+    "int": "3",
+    "float": "0.5",
+    "human_readable_int": "2k",
+    "human_readable_int_or_auto": "auto",
+    "json": '{"a": 1}',
+    "opaque": '{"mode": 3}',
+}
+CONVERTED = {"int": 3, "float": 0.5, "human_readable_int": 2000, "human_readable_int_or_auto": -1}
+
+
+def sample(opt: dict[str, object]) -> tuple[str, object]:
+    """A value the real vLLM accepts for this option (from its type or choices), and what it parses to."""
+    choices = opt.get("choices")
+    type_doc = opt.get("type")
+    assert isinstance(type_doc, dict)
+    name = str(type_doc["name"])
+    if name == "optional":
+        of = type_doc["of"]
+        assert isinstance(of, dict)
+        name = str(of["name"])
+    if isinstance(choices, list):
+        value = next(c for c in choices if c is not None)
+        return str(value), value
+    raw = SAMPLES[name]
+    if name == "json":
+        return raw, {"a": 1}
+    return raw, CONVERTED.get(name, raw)
+
+
+def test_the_parser_accepts_every_option_of_the_snapshot_with_every_spelling() -> None:
+    opts = vllm_args.options()
+    assert len(opts) == len(snapshot().cli["options"]) > 300
+    for opt in opts:
+        dest = str(opt["dest"])
+        strings = [str(s) for s in opt["option_strings"]]
+        for spelling in strings:
+            if opt["kind"] == "switch":
+                negative = spelling in opt.get("negative_option_strings", [])
+                ns = vllm_args.parse_args(["serve", "m", spelling])
+                assert getattr(ns, dest) is (not negative), (dest, spelling)
+                continue
+            if opt["kind"] == "true":
+                assert getattr(vllm_args.parse_args(["serve", "m", spelling]), dest) is True, spelling
+                continue
+            raw, expected = sample(opt)
+            if dest == "model":  # vLLM moves `--model X` to the positional (FlexibleArgumentParser)
+                assert vllm_args.parse_args(["serve", spelling, raw]).model_tag == raw
+                continue
+            ns = vllm_args.parse_args(["serve", "m", spelling, raw])
+            got = getattr(ns, dest)
+            if opt["nargs"] in ("+", "*") or opt["kind"] == "append":
+                assert got == [expected], (dest, spelling, got)
+            else:
+                assert got == expected, (dest, spelling, got)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--frobnicate", "3"],  # not a vLLM option
+        ["--max-num-seqs", "many"],  # int
+        ["--gpu-memory-utilization", "most"],  # float
+        ["--kv-cache-memory-bytes", "1.5G"],  # human_readable_int: no decimals with a binary suffix
+        ["--max-model-len", "long"],  # human_readable_int_or_auto
+        ["--dtype", "int3"],  # choices
+        ["--allowed-headers", "{not json"],  # json
+        ["--enforce-eager", "yes"],  # a switch takes no value
+        ["--max-num", "3"],  # an ambiguous prefix (--max-num-seqs, --max-num-batched-tokens, ...)
+    ],
+)
+def test_unknown_flags_and_bad_values_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        vllm_args.parse_args(["serve", "m", *argv])
+    assert exited.value.code == 2
+
+
+def test_real_vllm_spellings_that_the_old_fake_refused() -> None:
+    ns = vllm_args.parse_args(
+        [
+            "serve",
+            "m",
+            "--enable-chunked-prefill",
+            "--max-model-len",
+            "auto",
+            "--device-memory-utilization",  # a hidden alias of --gpu-memory-utilization
+            "0.5",
+            "--max_num_batched_tokens=4k",  # underscores and =
+            "--max-num-se",  # an unambiguous prefix (argparse allow_abbrev, as vLLM)
+            "12",
+            "-O3",
+            "--compilation-config.cudagraph_capture_sizes+",  # dotted JSON arg with a list
+            "1,2",
+            "--no-enable-prefix-caching",
+        ]
+    )
+    assert ns.enable_chunked_prefill is True and ns.enable_prefix_caching is False
+    assert (ns.max_model_len, ns.gpu_memory_utilization, ns.max_num_batched_tokens, ns.max_num_seqs) == (
+        -1,
+        0.5,
+        4000,
+        12,
+    )
+    assert ns.optimization_level == "3"
+    assert json.loads(ns.compilation_config) == {"cudagraph_capture_sizes": ["1", "2"]}
+    # Defaults are the snapshot's, not the scenario's: 0.92 and no block size (the engine's 16).
+    default = vllm_args.parse_args(["serve", "m"])
+    assert default.gpu_memory_utilization == 0.92 and default.block_size is None
+    s = load_scenario("llama3-70b-tp4")
+    cfg = vllm_args.config_from_args(
+        s, vllm_args.parse_args(["serve", "m", "-tp", "4", "--max-model-len", "auto"])
+    )
+    assert cfg.max_model_len == 8192 and cfg.max_model_len_auto and cfg.block_size == 16
+
+
+def test_vllm_version_is_the_snapshots(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    rc, out, _ = runner.run(world, ["--version"])
+    assert rc == 0 and out.strip() == "0.33.0" == snapshot().cli["vllm_version"]
+
+
+# -- the null block (vLLM 0.33 kv_cache_planning.check_enough_kv_cache_memory) ------------------
+
+BLOCK_70B_TP4 = 16 * 81920  # one block across rank's 80 layers: 1,310,720 B
+
+
+def test_the_null_block_is_held_back_before_the_one_request_check() -> None:
+    s = load_scenario("llama3-70b-tp4")
+    assert rank_memory(s, engine_config(s))[0].block_bytes == BLOCK_70B_TP4
+    refused = outcome(s, kv_cache_memory_bytes=671_088_640)  # 512 blocks = exactly one 8,192 request
+    assert refused.reason == KV_CACHE_TOO_SMALL and refused.phase == "kv-cache"
+    # The snapshot's template, with the memory left once the null block is reserved (511 blocks).
+    assert refused.message == message(
+        "kv_too_small",
+        8192,
+        format_gib(512 * BLOCK_70B_TP4),
+        format_gib(511 * BLOCK_70B_TP4),
+        "Based on the available memory, the estimated maximum model length is 8176. ",
+    )
+    started = outcome(s, kv_cache_memory_bytes=672_399_360)  # 513 blocks: one request + the null block
+    assert started.reason != KV_CACHE_TOO_SMALL and started.num_gpu_blocks == 513
+    # BlockPool hands out 512 of them: eight 1,024-token sequences at most.
+    assert started.peak_running_seqs <= 512 // (1024 // 16)
+
+
+def test_the_fake_refuses_512_blocks_and_starts_with_513(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    flags = ["--max-model-len", "8192", "--block-size", "16", "--port", str(free_port())]
+    rc, _, err = runner.run(world, model_args(world, "--kv-cache-memory-bytes", "671088640", *flags))
+    assert rc == 1
+    assert "ValueError: To serve at least one request with the model's max seq len (8192), (0.62 GiB" in err
+    assert "[kv_cache_planning.py:" in err or "kv_cache_planning.py" in err
+    port = free_port()
+    proc, out, _ = runner.start(
+        world,
+        model_args(
+            world, "--kv-cache-memory-bytes", "672399360", "--max-model-len", "8192", "--port", str(port)
+        ),
+    )
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+    assert 'num_gpu_blocks="513"' in http_get(port, "/metrics")[1]
+    # 513 blocks / 512 per request, the pool's num_blocks as vLLM logs it
+    assert message("kv_cache_size", "GPU", "8,208", "8,192", 513 / 512) in out.read_text()
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+# -- the per-worker memory report (gpu_worker.py:1045) -----------------------------------------
+
+
+def expected_reports(s: Scenario, util: float) -> list[str]:
+    engine = EngineMemoryModel(
+        s, engine_config(s, gpu_memory_utilization=util), PureLedger([s.gpu.total_bytes] * 4)
+    )
+    engine.startup()
+    out = []
+    for rank in range(4):
+        r = engine.memory_report(rank)
+        assert r is not None
+        out.append(
+            message(
+                "worker_memory_report",
+                format_gib(r.init_free),
+                format_gib(r.total),
+                r.utilization,
+                format_gib(r.requested),
+                format_gib(r.total_consumed),
+                format_gib(r.peak_activation),
+                format_gib(r.cuda_graph),
+                r.kv_to_requested_limit,
+                format_gib(r.kv_to_requested_limit),
+                r.kv_to_gpu_limit,
+                format_gib(r.kv_to_gpu_limit),
+                format_gib(r.available_kv),
+            )
+        )
+    return out
+
+
+def test_each_worker_prints_vllms_memory_report_in_utilisation_mode_only(runner: Runner) -> None:
+    world = runner.world("llama3-70b-tp4")
+    s = world.scenario
+    reports = expected_reports(s, 0.87)
+    # The figures are the rank's own: rank 0 starts with less free memory (the API server's and
+    # the engine core's contexts on cuda:0), so its "fully utilize" suggestion is smaller.
+    m = rank_memory(s, engine_config(s))[0]
+    graphs = m.cuda_graph
+    consumed = m.weights
+    peak = m.profile_peak + graphs
+    requested = math.ceil(s.gpu.total_bytes * 0.87)
+    to_requested = requested - (consumed + peak + graphs) - 150 * MIB
+    assert (
+        f"`--kv-cache-memory={to_requested}`" in reports[0]
+        and f"`--kv-cache-memory={to_requested}`" in reports[1]
+    )
+    assert reports[0] != reports[1] and reports[1] == reports[2] == reports[3]
+    port = free_port()
+    proc, out, _ = runner.start(
+        world, model_args(world, "--gpu-memory-utilization", "0.87", "--port", str(port))
+    )
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+    log = out.read_text()
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+    for rank, text in enumerate(reports):
+        mine = [ln for ln in log.splitlines() if ln.startswith(f"(Worker_TP{rank} pid={proc.pid}) INFO ")]
+        lines = [ln for ln in mine if "[gpu_worker.py:1045] " in ln]
+        assert len(lines) == 1 and lines[0].endswith("] " + text), (rank, lines)
+    assert log.count("CUDA graph pool memory: ") == 4
+
+    # With an explicit budget vLLM skips profiling, and with it the report.
+    port = free_port()
+    budget = 30 * GIB
+    proc, out, _ = runner.start(
+        world, model_args(world, "--kv-cache-memory-bytes", str(budget), "--port", str(port))
+    )
+    wait_for(lambda: http_get(port, "/health")[0] == 200)
+    log = out.read_text()
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+    assert "Replace gpu_memory_utilization config" not in log and "CUDA graph pool memory" not in log
+    assert "as specified by kv_cache_memory_bytes" in log

@@ -564,6 +564,32 @@ def test_image_python_has_third_party_packages_but_not_rankguards(tmp_path: Path
     assert out.stdout.strip() == "[True, True, True]"
 
 
+def test_image_python_reports_the_snapshot_vllm_version_without_vllm_on_the_test_side(tmp_path: Path) -> None:
+    """The agent reads importlib.metadata.version("vllm") in the vLLM container, never importing it."""
+    from rankguard_sim.vllm_snapshot import version
+
+    table = build_image(tmp_path / "bin")
+    probe = (
+        "import importlib.metadata as m, importlib.util as u;"
+        "print(m.version('vllm'), u.find_spec('vllm') is None)"
+    )
+    out = subprocess.run(
+        [table.commands["python3"], "-c", probe],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "pod")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert version() == "0.33.0"
+    assert out.stdout.split() == ["0.33.0", "True"]  # the metadata only: there is no vllm to import
+    # Nothing leaks into this (the test) process: no "vllm" distribution here.
+    import importlib.metadata
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+    assert not list((Path(__file__).resolve().parents[2] / "sim").rglob("vllm-*.dist-info"))
+
+
 def test_agent_install_copies_the_package_that_then_imports_from_the_copy(tmp_path: Path) -> None:
     table = build_image(tmp_path / "bin")
     dest = tmp_path / "opt" / "agent"

@@ -1,0 +1,76 @@
+"""The real vLLM the fake plays: its recorded snapshot (flags, messages, KV facts).
+
+Every vLLM string the fake prints or accepts comes from
+`rankguard_operator.vllm_snapshots` (read out of the real package, never typed here):
+`message(key, *values)` renders a recorded log/error template exactly as vLLM does
+(`template % values` or `template.format(*values)`), `where(key)` is the `file.py:line`
+vLLM's log prefix shows for it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from rankguard_operator import vllm_snapshots
+
+SNAPSHOT_VERSION = "0.33.0"
+
+
+@cache
+def snapshot() -> vllm_snapshots.Snapshot:
+    return vllm_snapshots.load(SNAPSHOT_VERSION)
+
+
+def version() -> str:
+    """The vLLM version the fake claims (`vllm --version`, the start-up banner, dist-info)."""
+    return str(snapshot().cli.get("vllm_version") or snapshot().version)
+
+
+def format_gib(nbytes: float) -> str:
+    """vLLM's `vllm.utils.mem_utils.format_gib`: `f"{round(b / 2**30, 2)}"`."""
+    return f"{round(nbytes / 2**30, 2)}"
+
+
+def _entry(key: str, file_suffix: str | None = None) -> dict[str, Any]:
+    found = snapshot().messages(key)
+    if not found:
+        raise KeyError(f"vLLM {SNAPSHOT_VERSION} snapshot has no message {key!r}")
+    if file_suffix is not None:
+        for entry in found:
+            if str(entry["file"]).endswith(file_suffix):
+                return entry
+    return found[0]
+
+
+def message(key: str, *values: Any, file_suffix: str | None = None) -> str:
+    """vLLM's message `key` with `values`, rendered the way vLLM's own code renders it."""
+    entry = _entry(key, file_suffix)
+    template = str(entry["template"])
+    style = entry["style"]
+    if style == "percent":
+        return template % values
+    if style == "format":
+        return template.format(*values)
+    if values:
+        raise ValueError(f"message {key!r} takes no values (style {style})")
+    return template
+
+
+def where(key: str, file_suffix: str | None = None) -> str:
+    """The `[file.py:line]` part of vLLM's log prefix for message `key`."""
+    entry = _entry(key, file_suffix)
+    return f"{str(entry['file']).rsplit('/', 1)[-1]}:{entry['line']}"
+
+
+def null_blocks() -> int:
+    """Blocks BlockPool holds back (the null block); never usable by requests."""
+    return snapshot().null_blocks
+
+
+def default_block_size() -> int:
+    return snapshot().default_block_size
+
+
+def kv_cache_dtypes() -> tuple[str, ...]:
+    return tuple(str(d) for d in snapshot().engine["kv_cache_dtypes"])
