@@ -52,7 +52,7 @@ class Word:
     dotted: bool = False  # `--json-arg.key value`: a piece of a JSON option
 
 
-def _human_readable_int(value: str) -> int:
+def human_readable_int(value: str) -> int:
     # vLLM's argparse_utils.human_readable_int: 1k = 1000, 1K = 1024, decimals only with k/m/g/t
     text = value.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
@@ -66,14 +66,14 @@ def _human_readable_int(value: str) -> int:
 
 def _human_readable_int_or_auto(value: str) -> int:
     text = value.strip()
-    return -1 if text == "-1" or text.lower() == "auto" else _human_readable_int(text)
+    return -1 if text == "-1" or text.lower() == "auto" else human_readable_int(text)
 
 
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "str": str,
     "int": int,
     "float": float,
-    "human_readable_int": _human_readable_int,
+    "human_readable_int": human_readable_int,
     "human_readable_int_or_auto": _human_readable_int_or_auto,
     "json": json.loads,
 }
@@ -87,7 +87,7 @@ def convert(type_doc: Mapping[str, Any] | None, value: str) -> Any:
     name = type_doc["name"]
     if name == "optional":
         return None if value in ("", "None") else convert(type_doc["of"], value)
-    if name == "opaque":
+    if name == "opaque" or name not in _CONVERTERS:  # a vLLM-internal parser: vLLM judges it
         return value
     try:
         return _CONVERTERS[name](value)
