@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from launched import agent_port
 
 from rankguard_agent.gpu.sim import write_device
 from rankguard_agent.launcher import LineScanner, Observer, installed_engine_version
@@ -331,13 +331,7 @@ async def test_report_during_the_run_shows_ranks_and_kv_lines(
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        assert proc.stderr is not None
-        port = None
-        while port is None:
-            line = await asyncio.wait_for(proc.stderr.readline(), 30)
-            assert line, "launcher ended early"
-            found = re.search(rb"http://127\.0\.0\.1:(\d+)", line)
-            port = int(found.group(1)) if found else None
+        port = await agent_port(proc, 30)
         async with aiohttp.ClientSession() as s:
             for _ in range(200):
                 async with s.get(f"http://127.0.0.1:{port}/report") as r:
@@ -551,13 +545,7 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        assert proc.stderr is not None
-        port = None
-        while port is None:
-            line = await asyncio.wait_for(proc.stderr.readline(), 30)
-            assert line, "launcher ended early"
-            found = re.search(rb"http://127\.0\.0\.1:(\d+)", line)
-            port = int(found.group(1)) if found else None
+        port = await agent_port(proc, 30)
         async with aiohttp.ClientSession() as s:
             for _ in range(200):
                 async with s.get(f"http://127.0.0.1:{port}/report") as r:

@@ -7,7 +7,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from launched import agent_port
 
 from rankguard_agent.gpu.sim import SimBackend, write_device
 from rankguard_agent.probe import ProbeConfig, model_shape_from_config, run_probe, warmup_shapes
@@ -178,13 +178,7 @@ async def test_launcher_probes_first_and_reports_it(
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        assert proc.stderr is not None
-        port = None
-        while port is None:
-            line = await asyncio.wait_for(proc.stderr.readline(), 120)
-            assert line, "launcher ended early"
-            found = re.search(rb"http://127\.0\.0\.1:(\d+)", line)
-            port = int(found.group(1)) if found else None
+        port = await agent_port(proc, 120)
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/report") as r:
             report = parse_report(await r.read())
         assert report.probe is not None and report.probe.ok
