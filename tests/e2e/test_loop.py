@@ -8,11 +8,14 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
+from rankguard_operator.core.memory_model import min_budget_for_one_request
+from rankguard_operator.core.spec import parse_spec, resolve_shape
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.kubelet import wait_for_pids_gone
 
-from .conftest import apply_service, condition, example, get_llmservice, wait_for
+from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_llmservice, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -227,3 +230,112 @@ def test_a_roll_that_fails_for_a_non_memory_reason_is_rolled_back(
     assert st["servingFlags"] == good
     assert "ECC" in rb["message"] and "last known good" in rb["message"]
     assert any("roll" in m.lower() for m in seen_degraded), seen_degraded
+
+
+def test_an_extra_args_item_vllm_would_refuse_is_refused_and_nothing_is_rolled(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    make_node("llama3-70b-tp4", time_scale=4)
+    doc = example()
+    doc["metadata"]["name"] = "args"
+    apply_service(api, e2e_namespace, doc)
+    apps = client.AppsV1Api(api)
+
+    def deployed() -> Any:
+        items = apps.list_namespaced_deployment(e2e_namespace).items
+        return items[0] if items else None
+
+    before = wait_for("the Deployment", deployed, 120)
+    custom = client.CustomObjectsApi(api)
+    # an owned option behind an alias is refused at apply time by the CRD's rule
+    with pytest.raises(ApiException) as refused:
+        custom.patch_namespaced_custom_object(
+            GROUP, VERSION, e2e_namespace, PLURAL, "args",
+            {"spec": {"engine": {"extraArgs": ["--device-memory-utilization", "0.5"]}}},
+        )  # fmt: skip
+    assert refused.value.status == 422 and "rankguard manages" in str(refused.value.body)
+    # "--max-num-seqs 64" as one item passes the CRD; vLLM would exit 2: the operator refuses it
+    custom.patch_namespaced_custom_object(
+        GROUP, VERSION, e2e_namespace, PLURAL, "args",
+        {"spec": {"engine": {"extraArgs": ["--enable-prefix-caching", "--max-num-seqs 64"]}}},
+    )  # fmt: skip
+
+    def invalid() -> dict[str, Any] | None:
+        svc = get_llmservice(api, e2e_namespace, "args")
+        deg = condition(svc, "Degraded")
+        ok = deg and deg["reason"] == "InvalidSpec" and svc["status"].get("observedGeneration") == 2
+        return svc if ok else None
+
+    svc = wait_for("InvalidSpec", invalid, 120, dump=lambda: get_llmservice(api, e2e_namespace, "args"))
+    message = condition(svc, "Degraded")["message"]  # type: ignore[index]
+    assert "spec.engine.extraArgs[1] '--max-num-seqs 64'" in message and "'--max-num-seqs', '64'" in message
+    events = client.CoreV1Api(api).list_namespaced_event(
+        e2e_namespace, field_selector="involvedObject.name=args,reason=InvalidSpec"
+    )
+    assert events.items and "--max-num-seqs 64" in (events.items[0].message or "")
+    after = deployed()
+    assert after.metadata.generation == before.metadata.generation  # nothing rolled
+    assert after.spec.template.metadata.annotations == before.spec.template.metadata.annotations
+
+
+def test_a_budget_at_the_floor_starts(api: client.ApiClient, e2e_namespace: str, make_node: Any) -> None:
+    """The smallest budget rankguard ever sets (one request at maxModelLen plus the block vLLM
+    0.33 holds back) is one vLLM accepts: pinned there, the service becomes Ready."""
+    make_node("tp2-pp2", time_scale=4)
+    spec = {
+        "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+        "image": "vllm/vllm-openai:v0.33.0",
+        "tensorParallelSize": 2,
+        "pipelineParallelSize": 2,
+        "engine": {"maxModelLen": 8192, "maxNumSeqs": 8},
+    }
+    parsed = parse_spec(spec)
+    floor = min_budget_for_one_request(resolve_shape(parsed), 2, max_model_len=8192, pp=2)
+    spec["memory"] = {"kvCacheMemoryBytes": floor}
+    doc = {"apiVersion": "rankguard.io/v1alpha1", "kind": "LLMService", "metadata": {"name": "floor"}}
+    apply_service(api, e2e_namespace, {**doc, "spec": spec})
+    svc = wait_for(
+        "the service at the floor to be Ready",
+        lambda: _ready(api, e2e_namespace, "floor"),
+        240,
+        dump=lambda: get_llmservice(api, e2e_namespace, "floor").get("status"),
+    )
+    assert svc["status"]["servingFlags"] == {"kvCacheMemoryBytes": floor}
+    assert not [r for r in svc["status"].get("remediations") or [] if r["trigger"] == "KVCacheTooSmall"]
+
+
+def test_small_cards_under_tp_start_without_anyone_typing_the_gpu_size(
+    api: client.ApiClient, e2e_namespace: str, make_node: Any
+) -> None:
+    """On 24 GB cards the contexts and NCCL take more than 8 %: vLLM refuses its own default
+    0.92 at start-up. No gpuMemoryBytes in the spec: rankguard learns the card's size from the
+    refusal and renders a byte budget with a start-up utilisation vLLM accepts."""
+    make_node("llama3-8b-tp2-24gb", time_scale=4)
+    doc = {
+        "apiVersion": "rankguard.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "small"},
+        "spec": {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.33.0",
+            "tensorParallelSize": 2,
+            "engine": {"maxModelLen": 8192},
+            "remediation": {"cooldownSeconds": 30},
+        },
+    }
+    apply_service(api, e2e_namespace, doc)
+    svc = wait_for(
+        "the small-card service to be Ready",
+        lambda: _ready(api, e2e_namespace, "small"),
+        240,
+        dump=lambda: get_llmservice(api, e2e_namespace, "small").get("status"),
+    )
+    st = svc["status"]
+    assert st["gpuMemoryBytes"] == round(23.58 * 2**30)
+    assert "kvCacheMemoryBytes" in st["servingFlags"]
+    assert st["engine"]["version"] == "0.33.0" and st["engine"]["versionSource"] == "agent"
+    assert condition(svc, "EngineRules")["status"] == "True"  # type: ignore[index]
+    dep = client.AppsV1Api(api).read_namespaced_deployment("small", e2e_namespace)
+    argv = dep.spec.template.spec.containers[0].command
+    util = float(argv[argv.index("--gpu-memory-utilization") + 1])
+    assert util < 20.64 / 23.58  # below the free share vLLM measured on GPU 0 at start-up
