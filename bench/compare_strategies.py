@@ -45,6 +45,7 @@ from rankguard_agent import verdict as agent_verdict
 from rankguard_agent.launcher import Observer
 from rankguard_agent.report import (
     REPORT_VERSION,
+    EngineMemory,
     ProbeRank,
     ProbeResult,
     RankSample,
@@ -71,7 +72,7 @@ from rankguard_sim.vllm_console import failure_lines
 # The scenarios whose failure is GPU memory. host-oomkilled fails on HOST memory (the
 # container's cgroup limit); its GPU never runs out at any of these utilisations, so "OOM
 # crashes until stable" and "KV kept" say nothing about it (the e2e test covers its fix).
-GPU_SCENARIOS = ("llama3-70b-tp4", "llama3-70b-tp8-nvls", "tp2-pp2")
+GPU_SCENARIOS = ("llama3-70b-tp4", "llama3-70b-tp8-nvls", "tp2-pp2", "llama3-8b-tp2-24gb")
 SKIPPED = {
     "host-oomkilled": (
         "its failure is a host-memory OOMKill at the container limit, not GPU memory: no GPU ever "
@@ -115,6 +116,9 @@ class WorldRun:
     startup_min_free: tuple[int, ...]  # per rank, the lowest free memory during start-up
     cycle_min_free: tuple[int, ...] | None  # the lowest over start-up and a full load cycle
     failure_lines: tuple[str, ...] = ()  # what the engine printed when it failed
+    # per rank, the free memory vLLM's worker measured at start-up, which it prints (the memory
+    # report, or with a byte budget the "Initial free memory" line) and the agent reports
+    startup_free: tuple[int, ...] = ()
 
     @property
     def crashed(self) -> bool:
@@ -186,6 +190,7 @@ def run_world(scenario: Scenario, argv: Sequence[str]) -> WorldRun:
         startup_min_free=startup_low,
         cycle_min_free=cycle_low,
         failure_lines=tuple(failure_lines(failure)) if failure is not None else (),
+        startup_free=tuple(engine.snapshot_free) if ready else (),
     )
 
 
@@ -203,6 +208,7 @@ class StrategyResult:
     capacity: float | None  # num_gpu_blocks / the true maximum's blocks; None when never stable
     final_flags: str
     trace: tuple[str, ...] = field(default_factory=tuple)
+    final_argv: tuple[str, ...] = ()  # the `vllm` command line of the stable run (rankguard's)
 
 
 @dataclass(frozen=True)
@@ -324,10 +330,17 @@ def spec_for(scenario: Scenario, *, probe: bool = True) -> dict[str, Any]:
 
 
 def agent_report(
-    scenario: Scenario, free: Sequence[int], min_free: Sequence[int], now: float, *, probe: bool = True
+    scenario: Scenario,
+    free: Sequence[int],
+    min_free: Sequence[int],
+    now: float,
+    *,
+    probe: bool = True,
+    startup_free: Sequence[int] = (),
 ) -> Report:
-    """The agent's /report for one pod: per-rank memory now and its window minimum, and the
-    probe's free memory after CUDA context + NCCL init (what that init costs in this world).
+    """The agent's /report for one pod: per-rank memory now and its window minimum, the probe's
+    free memory after CUDA context + NCCL init (what that init costs in this world), and the
+    free memory each vLLM worker printed at its start-up (`startup_free`, when it got there).
     Round-tripped through JSON and `parse_report`, as the operator receives it."""
     total = scenario.gpu.total_bytes
     report = Report(
@@ -343,6 +356,7 @@ def agent_report(
                 free_bytes=free[r],
                 min_free_bytes=min(min_free[r], free[r]),
                 window_seconds=DEFAULT_WINDOW_SECONDS,
+                engine_memory=EngineMemory(free_at_start_bytes=startup_free[r]) if startup_free else None,
             )
             for r in range(scenario.world_size)
         ],
@@ -525,7 +539,10 @@ class RankguardLoop:
 
     # ---------------------------------------------------------------- the operator's side
     def operator_pass(
-        self, free: Sequence[int] | None = None, min_free: Sequence[int] | None = None
+        self,
+        free: Sequence[int] | None = None,
+        min_free: Sequence[int] | None = None,
+        startup_free: Sequence[int] = (),
     ) -> policy.Decision:
         """One pass at `now`. `free`/`min_free`: what the agent of a Ready pod reports (per rank,
         free memory and its window minimum); None when there is nothing to scrape."""
@@ -535,7 +552,9 @@ class RankguardLoop:
             assert min_free is not None
             probe = self.spec.agent.probe
             for name, _ip, _port in reconcile.scrape_targets(self.spec_doc, self.deployment, pods):
-                report = agent_report(self.scenario, free, min_free, self.now, probe=probe)
+                report = agent_report(
+                    self.scenario, free, min_free, self.now, probe=probe, startup_free=startup_free
+                )
                 reports.append((name, report, self.now))
         world = reconcile.World(
             name=self.scenario.name,
@@ -652,11 +671,12 @@ def simulate_rankguard(
     for run_no in range(1, max_runs + 1):
         runs = run_no
         flags = loop.flags
-        run = run_world(scenario, loop.start_pod(run_no))
+        argv = loop.start_pod(run_no)
+        run = run_world(scenario, argv)
         loop.now += STARTUP_SECONDS
         if run.ready:
             loop.pod_ready()
-            loop.operator_pass(run.idle_free, run.startup_min_free)
+            loop.operator_pass(run.idle_free, run.startup_min_free, run.startup_free)
             if loop.rolled:
                 continue  # rolled before the load arrives
         if run.crashed:
@@ -687,7 +707,7 @@ def simulate_rankguard(
         loop.now += load.cycle_seconds
         survived_at = loop.now
         while loop.now - survived_at <= SETTLE_SECONDS:
-            loop.operator_pass(run.idle_free, low)
+            loop.operator_pass(run.idle_free, low, run.startup_free)
             if loop.rolled:
                 break
             loop.now += PASS_SECONDS
@@ -708,6 +728,7 @@ def simulate_rankguard(
             capacity=_share(run.outcome.num_gpu_blocks, truth),
             final_flags=describe_flags(flags),
             trace=tuple(loop.trace),
+            final_argv=tuple(argv),
         )
     return StrategyResult(
         strategy="rankguard",

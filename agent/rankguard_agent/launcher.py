@@ -30,6 +30,7 @@ from rankguard_agent.probe import ProbeConfig, run_probe
 from rankguard_agent.recognisers import (
     CudaGraphPool,
     CudaOom,
+    InitialFree,
     KVObservation,
     KVTooSmall,
     Recognised,
@@ -141,9 +142,11 @@ def installed_engine_version(dist: str = "vllm") -> str | None:
     return version if isinstance(version, str) and version else None
 
 
-def _engine_memory(seen: WorkerMemoryReport | CudaGraphPool) -> EngineMemory:
+def _engine_memory(seen: WorkerMemoryReport | CudaGraphPool | InitialFree) -> EngineMemory:
     if isinstance(seen, CudaGraphPool):
         return EngineMemory(cuda_graph_bytes=seen.actual_bytes)
+    if isinstance(seen, InitialFree):
+        return EngineMemory(free_at_start_bytes=seen.free_bytes)
     return EngineMemory(
         consumed_bytes=seen.consumed_bytes,
         peak_activation_bytes=seen.peak_activation_bytes,
@@ -197,7 +200,7 @@ class Observer:
         if isinstance(found, Unparsed):
             self._unparsed(found.kind, found.text)
             return
-        if isinstance(found, WorkerMemoryReport | CudaGraphPool):
+        if isinstance(found, WorkerMemoryReport | CudaGraphPool | InitialFree):
             rank = self.ranks.rank_of(line)
             if rank is None:
                 self._unparsed(_UNATTRIBUTED, found.text)

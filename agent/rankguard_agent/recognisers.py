@@ -124,6 +124,9 @@ _GRAPH_POOL = re.compile(
     rf"CUDA graph pool memory: ({_GNUM}) GiB \(actual\)(?:, ({_GNUM}) GiB \(estimated\))?"
 )
 _GRAPH_POOL_MARKER = "CUDA graph pool memory:"
+# printed per worker instead of the memory report when --kv-cache-memory-bytes is set
+_INITIAL_FREE = re.compile(rf"Initial free memory ({_GNUM}) GiB, reserved ({_GNUM}) GiB memory for KV Cache")
+_INITIAL_FREE_MARKER = "memory for KV Cache as specified by kv_cache_memory_bytes"
 # A figure printed with 2 decimals of GiB is within 0.005 GiB of the exact one.
 _GIB_ROUNDING = GIB // 200 + 1
 
@@ -138,6 +141,7 @@ MODEL_LOADING = "model_loading"
 # Unparsed kinds: the snapshot's keys of the per-worker lines.
 WORKER_MEMORY_REPORT = "worker_memory_report"
 CUDA_GRAPH_POOL = "cuda_graph_pool"
+INITIAL_FREE = "initial_free_memory"
 
 
 def parse_number(text: str) -> float:
@@ -218,6 +222,17 @@ class CudaGraphPool:
 
 
 @dataclass(frozen=True)
+class InitialFree:
+    """A worker's "Initial free memory X GiB, reserved Y GiB memory for KV Cache as specified by
+    kv_cache_memory_bytes ..." line: the free memory vLLM's start-up check saw, on every start
+    with a byte budget (where the memory report is not printed)."""
+
+    text: str
+    free_bytes: int
+    reserved_bytes: int
+
+
+@dataclass(frozen=True)
 class Unparsed:
     """A line that carries the marker of a report rankguard reads (`kind`) but not its figures:
     cut, garbled, or a format this agent does not know. Counted, never acted upon."""
@@ -226,7 +241,9 @@ class Unparsed:
     text: str
 
 
-Recognised = CudaOom | KVObservation | KVTooSmall | WorkerMemoryReport | CudaGraphPool | Unparsed
+Recognised = (
+    CudaOom | KVObservation | KVTooSmall | WorkerMemoryReport | CudaGraphPool | InitialFree | Unparsed
+)
 
 
 def recognise_oom(line: str) -> CudaOom | None:
@@ -338,6 +355,15 @@ def recognise_graph_pool(line: str) -> CudaGraphPool | Unparsed | None:
     )
 
 
+def recognise_initial_free(line: str) -> InitialFree | Unparsed | None:
+    if _INITIAL_FREE_MARKER not in line:
+        return None
+    m = _INITIAL_FREE.search(line)
+    if m is None:
+        return Unparsed(INITIAL_FREE, line.strip())
+    return InitialFree(text=line.strip(), free_bytes=_gib(m.group(1)), reserved_bytes=_gib(m.group(2)))
+
+
 def recognise_kv(line: str) -> KVObservation | KVTooSmall | None:
     """The first KV line this line says (see `recognise_kv_all` for lines that say two)."""
     found = recognise_kv_all(line)
@@ -396,7 +422,7 @@ def recognise_all(line: str) -> list[Recognised]:
     if oom is not None:
         return [oom]
     # Before the KV lines: the report mentions "kv cache memory", and "Free memory on device".
-    for one in (recognise_worker_report, recognise_graph_pool):
+    for one in (recognise_worker_report, recognise_graph_pool, recognise_initial_free):
         found = one(line)
         if found is not None:
             return [found]

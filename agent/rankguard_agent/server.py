@@ -28,7 +28,7 @@ CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
 # Kinds of rankguard_agent_unparsed_lines_total always exported (at 0 too), so that a rate()
 # or an alert on them works before the first one: the per-worker reports rankguard reads, and
 # "worker_prefix" for a per-worker line whose rank cannot be told.
-UNPARSED_KINDS = ("worker_memory_report", "cuda_graph_pool", "worker_prefix")
+UNPARSED_KINDS = ("worker_memory_report", "cuda_graph_pool", "initial_free_memory", "worker_prefix")
 
 
 @dataclass

@@ -41,6 +41,9 @@ class TerminationMessage:
     signal: int | None = None
     last_kv_line: str | None = None
     detail: str | None = None  # the recognised line, shortened
+    # vLLM's start-up check refused (free memory at start < utilisation × total): the KV
+    # budget is not what failed, the utilisation the check compares with is
+    startup_check: bool = False
     version: int = TERMINATION_VERSION
 
     def to_json(self) -> str:
@@ -61,6 +64,13 @@ def _opt_int(doc: dict[str, Any], key: str) -> int | None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise TerminationError(f"{key}: expected a non-negative integer, got {v!r:.40}")
+    return v
+
+
+def _opt_bool(doc: dict[str, Any], key: str) -> bool:
+    v = doc.get(key, False)
+    if not isinstance(v, bool):
+        raise TerminationError(f"{key}: expected true or false")
     return v
 
 
@@ -102,4 +112,5 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
         signal=_opt_int(doc, "signal"),
         last_kv_line=_opt_str(doc, "last_kv_line"),
         detail=_opt_str(doc, "detail"),
+        startup_check=_opt_bool(doc, "startup_check"),
     )

@@ -69,6 +69,7 @@ def termination_message(
             signal=sig,
             last_kv_line=last_kv_line,
             detail=_short(cause.text),
+            startup_check=cause.startup_check,
         )
     if isinstance(cause, KVTooSmall):
         return TerminationMessage(

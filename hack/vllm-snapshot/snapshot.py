@@ -37,6 +37,7 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     "startup_free_external": ("vllm", "is less than the engine's budget after excluding"),
     "worker_memory_report": ("vllm", "Replace gpu_memory_utilization config with"),
     "cuda_graph_pool": ("vllm", "CUDA graph pool memory"),
+    "kv_bytes_reserved": ("vllm", "memory for KV Cache as specified by kv_cache_memory_bytes"),
     "kv_too_small": ("vllm", "KV cache is needed, which is larger than the available KV cache memory"),
     "no_kv_memory": ("vllm", "No available memory for the cache blocks"),
 }

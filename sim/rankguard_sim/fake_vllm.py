@@ -221,14 +221,12 @@ class FakeVllm:
         for rank, who in self.workers():
             avail = plan.available[rank]
             if plan.pinned:
-                # Not in the snapshot: the fake's own rendering of vLLM's line (first sentences).
                 c.info(
                     who,
-                    "gpu_worker.py:676",
-                    f"Initial free memory {format_gib(self.engine.snapshot_free[rank])} GiB, reserved "
-                    f"{format_gib(avail)} GiB memory for KV Cache as specified by kv_cache_memory_bytes "
-                    "config and skipped memory profiling. This does not respect the "
-                    "gpu_memory_utilization config.",
+                    where("kv_bytes_reserved"),
+                    message(
+                        "kv_bytes_reserved", format_gib(self.engine.snapshot_free[rank]), format_gib(avail)
+                    ),
                 )
             else:
                 c.info(who, where("available_kv_memory"), message("available_kv_memory", format_gib(avail)))

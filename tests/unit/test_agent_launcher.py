@@ -567,3 +567,27 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_a_start_up_refusal_is_marked_as_one(sim_env: dict[str, str], tmp_path: Path) -> None:
+    """vLLM's start-up check is a CUDA OOM to the operator, but a different fix: the message says
+    which it was, with the free memory and total vLLM measured."""
+    from rankguard_operator import vllm_snapshots
+
+    msg = vllm_snapshots.latest().messages("startup_free_too_low")[0]
+    line = "ValueError: " + msg["template"].format("cuda:1", 20.64, 23.58, 0.92, 21.69)
+    tlog = tmp_path / "termination-log"
+    child = py(
+        f"""
+        import sys
+        sys.stderr.write({line!r} + "\\n")
+        sys.exit(1)
+        """
+    )
+    assert run(sim_env, tlog, child).returncode == 1
+    m = message(tlog)
+    assert m.reason == CUDA_OOM and m.startup_check is True
+    assert m.free_bytes == round(20.64 * GIB) and m.total_bytes == round(23.58 * GIB)
+    assert parse_termination_message(m.to_json()) == m
+    plain = TerminationMessage(CUDA_OOM, 1, free_bytes=1)
+    assert parse_termination_message(plain.to_json()).startup_check is False

@@ -14,12 +14,14 @@ from rankguard_agent.recognisers import (
     AVAILABLE_KV,
     CUDA_GRAPH_POOL,
     GIB,
+    INITIAL_FREE,
     KV_TOKENS,
     MAX_CONCURRENCY,
     MODEL_LOADING,
     WORKER_MEMORY_REPORT,
     CudaGraphPool,
     CudaOom,
+    InitialFree,
     KVObservation,
     KVTooSmall,
     Unparsed,
@@ -518,3 +520,16 @@ def test_snapshot_cuda_graph_pool_line() -> None:
         assert found[0].estimated_bytes is not None and _near(found[0].estimated_bytes, estimated)
         cut = line[: line.index("(actual)") - 3]
         assert recognise_all(cut) == [Unparsed(CUDA_GRAPH_POOL, cut.strip())]
+
+
+def test_snapshot_initial_free_line_of_a_byte_budget_start() -> None:
+    """With --kv-cache-memory-bytes vLLM prints no memory report, but this line, per worker:
+    the free memory its start-up check compared with."""
+    for msg in messages("kv_bytes_reserved"):
+        free, reserved = g(20.64), g(11.7)
+        line = logged(msg, render(msg, (format_gib(free), format_gib(reserved))), "Worker_TP1 pid=78")
+        found = recognise_all(line)
+        assert len(found) == 1 and isinstance(found[0], InitialFree), found
+        assert _near(found[0].free_bytes, free) and _near(found[0].reserved_bytes, reserved)
+        cut = line[: line.index(" GiB, reserved")] + " [truncated] " + line[line.index("memory for KV") :]
+        assert recognise_all(cut) == [Unparsed(INITIAL_FREE, cut.strip())]

@@ -76,7 +76,7 @@ def pod(
             "containerStatuses": [
                 {
                     "name": "vllm",
-                    "image": "vllm/vllm-openai:v0.11.0",
+                    "image": "vllm/vllm-openai:v0.33.0",
                     "ready": False,
                     "restartCount": restart_count,
                     "started": False,

@@ -599,3 +599,43 @@ def test_a_start_up_refusal_teaches_the_gpu_size_when_no_report_could() -> None:
     argv = _vllm_argv(c.deployment)
     assert "--kv-cache-memory-bytes" in argv, argv
     assert float(argv[argv.index("--gpu-memory-utilization") + 1]) < 13 / 15
+
+
+def test_a_start_up_refusal_under_a_byte_budget_keeps_the_budget_and_lowers_the_checked_share() -> None:
+    """vLLM's start-up check compares free memory with the utilisation rendered next to the
+    budget, not with the budget: the budget stays, and the utilisation drops under what vLLM
+    measured (kept in status, so the next render and a restarted operator agree)."""
+    c = running()
+    before = flags_of(c.deployment)
+    util_before = float(
+        _vllm_argv(c.deployment)[_vllm_argv(c.deployment).index("--gpu-memory-utilization") + 1]
+    )
+    p = c.pods[0]
+    free = int(util_before * 80 * GiB) - 3 * GiB
+    message = tm.TerminationMessage(
+        reason=tm.CUDA_OOM,
+        exit_code=1,
+        rank=0,
+        gpu_index=0,
+        requested_bytes=int(util_before * 80 * GiB),
+        free_bytes=free,
+        total_bytes=80 * GiB,
+        detail="vLLM refused to start: its start-up memory check failed on cuda:0",
+        startup_check=True,
+    ).to_json()
+    term = {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+    c.pods = [pod(p["metadata"]["name"], p["metadata"]["annotations"], ready=False, terminated=term)]
+    step = c.run()
+    assert step.decision is not None and step.decision.reason == "StartupCheckRefused"
+    assert flags_of(c.deployment) == before  # the KV budget stays
+    argv = _vllm_argv(c.deployment)
+    util = float(argv[argv.index("--gpu-memory-utilization") + 1])
+    assert util * 80 * GiB <= free - 512 * 1024 * 1024
+    assert c.status["engine"]["startupFreeBytes"] == free
+    assert any(e.reason == "StartupCheckRefused" for e in c.events.values())
+    assert not c.status.get("remediations")  # no budget change to record
+    # a restarted operator renders the same thing: nothing more to roll
+    applies = len(c.applies)
+    c.controller_done()
+    c.run()
+    assert len(c.applies) == applies

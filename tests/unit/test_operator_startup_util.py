@@ -80,3 +80,20 @@ def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
         }
     )
     assert startup_utilization(prior_plan(spec), 70 * GiB) == VLLM_DEFAULT_UTILIZATION
+
+
+def test_it_stays_under_the_free_memory_vllm_measured_at_start_up() -> None:
+    """Other CUDA contexts on GPU 0 are not in the priors; vLLM's own start-up figure is: the
+    utilisation stays under it (less the safety margin), whatever the priors say."""
+    spec = small_cards()
+    plan = prior_plan(spec)
+    assert plan is not None
+    kv = 8 * GiB
+    free_measured = 13 * GiB  # far less than the priors expect (another tenant on the card)
+    u = startup_utilization(plan, kv, free_measured)
+    assert u is not None and u * 24 * GiB <= free_measured - spec.memory.safety_margin_bytes
+    assert u < startup_utilization(plan, kv)  # type: ignore[operator]
+    # a generous measurement changes nothing: the priors' figure stands
+    assert startup_utilization(plan, kv, 24 * GiB) == startup_utilization(plan, kv)
+    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=kv), plan, free_measured)
+    assert float(args[args.index("--gpu-memory-utilization") + 1]) == u

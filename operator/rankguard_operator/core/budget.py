@@ -205,7 +205,9 @@ def budget_key(spec: ServiceSpec) -> str:
 VLLM_DEFAULT_UTILIZATION = 0.92
 
 
-def startup_utilization(plan: Plan | None, kv_cache_memory_bytes: int) -> float | None:
+def startup_utilization(
+    plan: Plan | None, kv_cache_memory_bytes: int, startup_free_bytes: int | None = None
+) -> float | None:
     """The --gpu-memory-utilization to render NEXT TO a byte budget, from the spec's prior plan.
 
     vLLM's worker checks `free memory at start-up >= total x gpu_memory_utilization` even when
@@ -224,7 +226,17 @@ def startup_utilization(plan: Plan | None, kv_cache_memory_bytes: int) -> float 
     needed = max((r.runtime_non_kv_bytes + kv_cache_memory_bytes) / r.total_bytes for r in plan.ranks)
     if needed <= 0:
         return None
-    return min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)
+    util = min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)
+    if startup_free_bytes is not None:
+        # vLLM measured less free memory at a worker's start-up than the priors expect (other
+        # CUDA contexts on the GPU, a bigger communicator): stay under what it measured, less
+        # the safety margin for run-to-run change. With a byte budget the utilisation feeds
+        # nothing but this check (vLLM 0.33 gpu_worker: "does not respect the
+        # gpu_memory_utilization config"), so a lower value costs no KV.
+        total = min(r.total_bytes for r in plan.ranks)
+        share = (startup_free_bytes - plan.inputs.safety_margin_bytes) / total
+        util = min(util, max(0.001, math.floor(share * 1000) / 1000))
+    return util
 
 
 def prior_plan(spec: ServiceSpec, learned_gpu_bytes: int | None = None) -> Plan | None:

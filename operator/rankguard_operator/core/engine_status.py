@@ -18,6 +18,7 @@ from typing import Any
 from rankguard_operator.core.conditions import Condition, set_condition
 from rankguard_operator.core.engine_rules import Rules, image_version, rules_for
 from rankguard_operator.core.headroom import Observation
+from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec import ServiceSpec
 
@@ -29,10 +30,17 @@ class EngineView:
     rules: Rules
     non_kv: Mapping[int, int]  # rank -> the engine's own non-KV bytes
     rows: tuple[Mapping[str, Any], ...]  # status.engine.ranks
+    # the least free memory any rank had when its worker started, as vLLM measured it (its
+    # per-worker report, or its start-up refusal): what its start-up check compares with
+    startup_free_bytes: int | None = None
 
 
 def engine_view(
-    state: ServiceState, spec: ServiceSpec, observation: Observation | None, key: str
+    state: ServiceState,
+    spec: ServiceSpec,
+    observation: Observation | None,
+    key: str,
+    terminations: Sequence[Termination] = (),
 ) -> EngineView:
     reported = observation.engine_version if observation is not None else None
     tagged = image_version(spec.image)
@@ -55,12 +63,19 @@ def engine_view(
                 "totalBytes": e.total_bytes,
             }
     ordered = tuple(rows[k] for k in sorted(rows))
+    free = [int(r["freeAtStartBytes"]) for r in ordered if isinstance(r.get("freeAtStartBytes"), int)]
+    free += [t.free_bytes for t in terminations if t.startup_refusal and t.free_bytes]
+    fresh = observation.fresh_ranks if observation is not None else ()
+    free += [r.engine_free_at_start for r in fresh if r.engine_free_at_start is not None]
+    if state.engine_budget_key == key and state.startup_free_bytes is not None:
+        free.append(state.startup_free_bytes)
     return EngineView(
         version=version,
         source=source,
         rules=rules_for(version),
         non_kv={int(r["rank"]): int(r["nonKVBytes"]) for r in ordered},
         rows=ordered,
+        startup_free_bytes=min(free) if free else None,
     )
 
 
@@ -70,6 +85,8 @@ def engine_status(view: EngineView, key: str) -> dict[str, Any]:
         doc["version"] = view.version
     if view.rows:
         doc["ranks"] = [dict(r) for r in view.rows]
+    if view.startup_free_bytes is not None:
+        doc["startupFreeBytes"] = view.startup_free_bytes
     return doc
 
 

@@ -63,6 +63,11 @@ def engine_figures(m: EngineMemory | None) -> EngineFigures | None:
     return EngineFigures(non_kv, consumed, peak, graphs, free, total)
 
 
+def _free_at_start(m: EngineMemory | None, total: int) -> int | None:
+    free = None if m is None else m.free_at_start_bytes
+    return free if free is not None and 0 < free <= total else None
+
+
 @dataclass(frozen=True)
 class RankHeadroom:
     """One rank's worst replica. `headroom_bytes` is the lowest free memory in the window."""
@@ -77,6 +82,9 @@ class RankHeadroom:
     error: str | None = None
     # vLLM's own per-worker memory report for this rank (agent's engine_memory), when printed
     engine: EngineFigures | None = None
+    # the free memory vLLM's worker measured at start-up (its report, or the line it prints
+    # instead with a byte budget); kept apart: it comes without the rest on byte-budget starts
+    engine_free_at_start: int | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -178,6 +186,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
                 stale=not usable,
                 error=s.error,
                 engine=engine_figures(s.engine_memory),
+                engine_free_at_start=_free_at_start(s.engine_memory, s.total_bytes),
             )
             if usable:
                 fresh[s.rank] = _worse(fresh.get(s.rank), row)

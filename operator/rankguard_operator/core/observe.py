@@ -134,6 +134,7 @@ class Termination:
     reason: str = ""  # the kubelet's reason (OOMKilled, Error, Completed, ...)
     kv_cache_bytes: int | None = None  # vLLM's "Available KV cache memory" in the run, if printed
     flags: ServingFlags | None = None  # what the pod ran with (its rankguard annotation)
+    startup_refusal: bool = False  # vLLM's start-up check: free at start < utilisation × total
 
     @property
     def key(self) -> str:
@@ -171,6 +172,7 @@ def _from_log_tail(text: str, reason: str, exit_code: int | None) -> dict[str, A
                 "free_bytes": seen.free_bytes,
                 "total_bytes": seen.total_bytes,
                 "message": seen.text,
+                "startup_refusal": seen.startup_check,
             }
         if isinstance(seen, KVTooSmall):
             return {"kind": KV_CACHE_TOO_SMALL, "message": seen.text}
@@ -203,6 +205,7 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
             "total_bytes": msg.total_bytes,
             "message": msg.detail or msg.reason,
             "kv_cache_bytes": _kv_bytes_from_line(msg.last_kv_line),
+            "startup_refusal": msg.startup_check,
         }
     # The host cgroup's verdict wins: when the kernel OOM-killed the container, whatever the
     # launcher managed to write (usually "Signaled") is a consequence, not the cause.

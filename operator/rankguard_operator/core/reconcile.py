@@ -215,6 +215,8 @@ class _Pass:
         # The status as stored at this point of the step (the intent changes it mid-step); the
         # final patch is computed against this, so it also clears the intent it follows.
         self.stored: dict[str, Any] = dict(state.raw)
+        # what the last pass rendered with; this pass's engine view may lower it
+        self.startup_free = state.startup_free_bytes if state.engine_budget_key == budget_key(spec) else None
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
         w = self.world
@@ -227,6 +229,7 @@ class _Pass:
             agent_image=self.settings.agent_image,
             plan=self.prior,
             revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
+            startup_free_bytes=self.startup_free,
         )
 
     def apply(self, body: dict[str, Any], **kw: Any) -> None:
@@ -279,7 +282,8 @@ class _Pass:
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         try:
             key = budget_key(spec)
-            engine = engine_view(state, spec, observation, key)
+            engine = engine_view(state, spec, observation, key, fresh_terms)
+            self.startup_free = engine.startup_free_bytes
             gpu = state.gpu_memory_bytes
             learned = learned_gpu_bytes(observation, spec.world_size, [t.total_bytes for t in fresh_terms])
             if learned is not None and learned != gpu:
@@ -343,6 +347,10 @@ class _Pass:
             self.updates["pendingRemediation"] = None
             low_since, ample_since = None, None  # a new revision starts its own headroom clocks
         elif decision.action in ("degrade", "hold") and decision.message:
+            self.effects.append(PostEvent("Warning", decision.reason, decision.message, repeat=True))
+        elif decision.action == "none" and decision.handled and decision.message:
+            # a crash answered without a change of flags (e.g. a start-up check refusal: the
+            # render changes instead); say so once per termination
             self.effects.append(PostEvent("Warning", decision.reason, decision.message, repeat=True))
 
         # 4. Keep the Deployment and Service as rendered. Server-side apply is idempotent; it is

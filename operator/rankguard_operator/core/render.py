@@ -65,20 +65,23 @@ def _util_text(u: float) -> str:
     return repr(float(u))
 
 
-def vllm_args(spec: ServiceSpec, flags: ServingFlags, plan: Plan | None) -> list[str]:
+def vllm_args(
+    spec: ServiceSpec, flags: ServingFlags, plan: Plan | None, startup_free_bytes: int | None = None
+) -> list[str]:
     """Arguments after `vllm`: `serve MODEL` and every flag rankguard owns, then extraArgs.
 
     The byte budget wins when known: with `--kv-cache-memory-bytes` vLLM sizes the KV cache
     from it alone. A utilisation is still rendered next to it for vLLM's start-up check
-    (budget.startup_utilization over the spec's prior `plan`), so a small card under TP is
-    not refused at start."""
+    (budget.startup_utilization over the spec's prior `plan`, kept below the free memory
+    vLLM measured at start-up, `startup_free_bytes`), so a small card under TP is not
+    refused at start."""
     e = spec.engine
     args = ["serve", spec.model.name, "--tensor-parallel-size", str(spec.tp)]
     if spec.pp > 1:
         args += ["--pipeline-parallel-size", str(spec.pp)]
     if flags.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(flags.kv_cache_memory_bytes)]
-        startup = startup_utilization(plan, flags.kv_cache_memory_bytes)
+        startup = startup_utilization(plan, flags.kv_cache_memory_bytes, startup_free_bytes)
         if startup is not None:
             args += ["--gpu-memory-utilization", _util_text(startup)]
     elif flags.gpu_memory_utilization is not None:
@@ -194,12 +197,18 @@ _RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL
 
 
 def _pod_spec(
-    name: str, spec: ServiceSpec, flags: ServingFlags, agent_image: str, plan: Plan | None
+    name: str,
+    spec: ServiceSpec,
+    flags: ServingFlags,
+    agent_image: str,
+    plan: Plan | None,
+    *,
+    startup_free_bytes: int | None,
 ) -> dict[str, Any]:
     vllm = {
         "name": VLLM_CONTAINER,
         "image": spec.image,
-        "command": [*agent_args(spec, plan), "--", "vllm", *vllm_args(spec, flags, plan)],
+        "command": [*agent_args(spec, plan), "--", "vllm", *vllm_args(spec, flags, plan, startup_free_bytes)],
         "env": _env(name),
         "ports": [
             {"name": "http", "containerPort": VLLM_HTTP_PORT, "protocol": "TCP"},
@@ -272,11 +281,14 @@ def render_deployment(
     agent_image: str,
     plan: Plan | None,
     revision_annotations: Mapping[str, str] | None = None,
+    startup_free_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The serving Deployment.
 
     `plan` is the spec's prior plan (budget.prior_plan; None when the GPU size is not known
     yet): it sizes the start-up utilisation and the agent's probe collectives.
+    `startup_free_bytes`: the least free memory vLLM measured at a worker's start-up (kept in
+    status), which that utilisation must stay under.
     `revision_annotations` go on the Deployment's own metadata (never the pod template), so
     bookkeeping such as a remediation id never rolls the pods.
     """
@@ -304,7 +316,9 @@ def render_deployment(
                     "labels": dict(pod_labels),
                     "annotations": {FLAGS_ANNOTATION: _canonical_json(flags.to_status())},
                 },
-                "spec": _pod_spec(name, spec, flags, agent_image, plan),
+                "spec": _pod_spec(
+                    name, spec, flags, agent_image, plan, startup_free_bytes=startup_free_bytes
+                ),
             },
         },
     }

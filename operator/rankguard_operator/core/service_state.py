@@ -78,6 +78,7 @@ class ServiceState:
     # without --kv-cache-memory-bytes does), for the budget key it was measured under
     engine_non_kv: Mapping[int, int] = field(default_factory=dict)
     engine_budget_key: str | None = None
+    startup_free_bytes: int | None = None  # status.engine.startupFreeBytes (engine_status)
     service_applied: bool = False
     observed_generation: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -104,6 +105,7 @@ class ServiceState:
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
             engine_non_kv=_engine_non_kv(engine),
             engine_budget_key=_str(engine.get("budgetKey")),
+            startup_free_bytes=_positive_int(engine.get("startupFreeBytes")),
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
             raw=s,
