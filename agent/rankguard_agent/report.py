@@ -4,7 +4,7 @@ The agent builds it with `Report.to_json()`; the operator parses untrusted bytes
 `parse_report()`, which either returns a fully validated `Report` or raises `ReportError`.
 Anything malformed is "no data" for the operator, never a reason to act (DESIGN §5).
 
-The engine fields (`engine_version`, per rank `engine_memory`) are advisory: one that is
+The engine fields (`engine_version`, `unparsed_lines`, per rank `engine_memory`) are advisory: one that is
 malformed is dropped alone and named in `Report.dropped_fields` (the operator counts those),
 while the rest of the report stands. Everything else malformed rejects the whole report.
 
@@ -107,6 +107,8 @@ class Report:
     kv_lines: list[KVLine] = field(default_factory=list)
     sampler_ok: bool = True
     engine_version: str | None = None  # the vLLM the launcher started (package metadata), if known
+    # engine lines the agent saw but could not read, by kind (rankguard_agent_unparsed_lines_total)
+    unparsed_lines: dict[str, int] = field(default_factory=dict)
     # Set by parse_report only, never sent: "where: why" for each engine field it dropped.
     dropped_fields: list[str] = field(default_factory=list)
 
@@ -199,6 +201,25 @@ def _engine_version(d: dict[str, Any], dropped: list[str]) -> str | None:
         dropped.append(f"report.engine_version: expected a version string, got {v!r:.40}")
         return None
     return v
+
+
+MAX_UNPARSED_KINDS = 16
+
+
+def _unparsed(d: dict[str, Any], dropped: list[str]) -> dict[str, int]:
+    v = d.get("unparsed_lines")
+    if v is None:
+        return {}
+    ok = (
+        isinstance(v, dict)
+        and len(v) <= MAX_UNPARSED_KINDS
+        and all(isinstance(k, str) and 0 < len(k) <= 64 for k in v)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_BYTES for n in v.values())
+    )
+    if not ok:
+        dropped.append(f"report.unparsed_lines: expected {{kind: count}}, got {v!r:.60}")
+        return {}
+    return dict(v)
 
 
 def _rank(doc: Any, where: str, dropped: list[str]) -> RankSample:
@@ -294,5 +315,6 @@ def parse_report(raw: bytes) -> Report:
         kv_lines=[_kv(k, f"report.kv_lines[{i}]") for i, k in enumerate(_list(d, "kv_lines", "report", 16))],
         sampler_ok=sampler_ok,
         engine_version=_engine_version(d, dropped),
+        unparsed_lines=_unparsed(d, dropped),
         dropped_fields=dropped,
     )

@@ -81,6 +81,7 @@ class AgentState:
             kv_lines=sorted(self.kv_lines.values(), key=lambda k: k.timestamp),
             sampler_ok=self.backend_error is None and self.sampler.is_up(),
             engine_version=self.engine_version,
+            unparsed_lines={k: n for k, n in self.unparsed_lines.items() if n},
         )
 
 

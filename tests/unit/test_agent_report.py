@@ -115,3 +115,18 @@ def test_the_rest_of_a_report_is_still_checked() -> None:
     d["ranks"][0]["free_bytes"] = "x"
     with pytest.raises(ReportError):
         parse_report(json.dumps(d).encode())
+
+
+def test_unparsed_line_counts_travel_and_a_bad_count_is_dropped_alone() -> None:
+    from rankguard_agent.report import REPORT_VERSION, RankSample, Report, parse_report
+
+    sample = RankSample(0, "GPU-0", 100, 50, 50, 40, 10.0)
+    good = Report(REPORT_VERSION, "a", 1.0, [sample], unparsed_lines={"worker_memory_report": 3})
+    assert parse_report(good.to_json()).unparsed_lines == {"worker_memory_report": 3}
+    import json
+
+    doc = json.loads(good.to_json())
+    doc["unparsed_lines"] = {"worker_memory_report": -1}
+    bad = parse_report(json.dumps(doc).encode())
+    assert bad.unparsed_lines == {} and bad.ranks == [sample]
+    assert any("unparsed_lines" in d for d in bad.dropped_fields)

@@ -639,3 +639,16 @@ def test_a_start_up_refusal_under_a_byte_budget_keeps_the_budget_and_lowers_the_
     c.controller_done()
     c.run()
     assert len(c.applies) == applies
+
+
+def test_engine_lines_the_agents_could_not_read_are_said_in_the_condition() -> None:
+    c = running()
+    pod_name = c.pods[0]["metadata"]["name"]
+    r = replace(report((20 * GiB, 20 * GiB), c.clock), engine_version="0.33.0")
+    r = replace(r, unparsed_lines={"worker_memory_report": 2})
+    step = c.run(reports=((pod_name, r, c.clock),))
+    assert step.decision is not None
+    rules = next(x for x in c.status["conditions"] if x["type"] == "EngineRules")
+    assert (rules["status"], rules["reason"]) == ("False", "UnreadEngineLines")
+    assert "worker_memory_report 2" in rules["message"]
+    assert "engine" in c.status and "ranks" not in c.status["engine"]  # nothing unread is used

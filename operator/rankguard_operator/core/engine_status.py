@@ -12,7 +12,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.conditions import Condition, set_condition
@@ -33,6 +33,8 @@ class EngineView:
     # the least free memory any rank had when its worker started, as vLLM measured it (its
     # per-worker report, or its start-up refusal): what its start-up check compares with
     startup_free_bytes: int | None = None
+    # engine lines the agents could not read, by kind (a garbled or newer format)
+    unread: Mapping[str, int] = field(default_factory=dict)
 
 
 def engine_view(
@@ -76,6 +78,7 @@ def engine_view(
         non_kv={int(r["rank"]): int(r["nonKVBytes"]) for r in ordered},
         rows=ordered,
         startup_free_bytes=min(free) if free else None,
+        unread=dict(observation.unparsed_lines) if observation is not None else {},
     )
 
 
@@ -105,4 +108,12 @@ def with_rules_condition(
     else:
         status, reason = "True", "Recorded"
         message = f"vLLM {view.version} (from the {view.source}): its recorded CLI and log formats apply"
+    if view.unread:
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(view.unread.items()))
+        message += (
+            f". The agents could not read some engine lines ({counts}); their figures are not used "
+            "(rankguard_agent_unparsed_lines_total)"
+        )
+        if status == "True":
+            status, reason = "False", "UnreadEngineLines"
     return set_condition(conditions, Condition.ENGINE_RULES, status, reason, message, now_iso, generation)

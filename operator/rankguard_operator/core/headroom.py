@@ -106,6 +106,8 @@ class Observation:
     kv_cache_bytes: int | None = None
     # the vLLM version the agents report (package metadata in the serving image), if any
     engine_version: str | None = None
+    # engine lines the agents saw but could not read, by kind, summed over fresh pods
+    unparsed_lines: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default_factory=tuple)  # why data was excluded, for status/events
 
     @property
@@ -161,6 +163,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
     probe_free: dict[int, tuple[int, int | None]] = {}
     kv_seen: list[int] = []
     versions: list[str] = []
+    unparsed: dict[str, int] = {}
     notes: list[str] = []
     for pod, report, received_at in sorted(reports, key=lambda x: x[0]):
         age = now - received_at
@@ -197,6 +200,8 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
             continue
         if report.engine_version:
             versions.append(report.engine_version)
+        for kind, n in report.unparsed_lines.items():
+            unparsed[kind] = unparsed.get(kind, 0) + n
         if report.probe is not None and report.probe.ok:
             for p in report.probe.ranks:
                 if p.error is not None:
@@ -223,6 +228,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
         kv_cache_bytes=min(kv_seen) if kv_seen else None,
         # pods of one template run one image: the lowest version reported, for determinism
         engine_version=min(versions) if versions else None,
+        unparsed_lines=unparsed,
         notes=tuple(notes),
     )
 
