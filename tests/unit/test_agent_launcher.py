@@ -16,12 +16,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from launched import agent_port
+from launched import agent_port, report_when, start, stop
 
 from rankguard_agent.gpu.sim import write_device
 from rankguard_agent.launcher import LineScanner, Observer, installed_engine_version
 from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall
-from rankguard_agent.report import parse_report
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
 from rankguard_agent.termination import (
@@ -324,21 +323,10 @@ async def test_report_during_the_run_shows_ranks_and_kv_lines(
             time.sleep(0.05)
         """
     )
-    proc = await asyncio.create_subprocess_exec(
-        *launcher_cmd(tlog, child),
-        env=sim_env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await start(launcher_cmd(tlog, child), sim_env)
     try:
         port = await agent_port(proc, 30)
-        async with aiohttp.ClientSession() as s:
-            for _ in range(200):
-                async with s.get(f"http://127.0.0.1:{port}/report") as r:
-                    report = parse_report(await r.read())
-                if len(report.kv_lines) == 2:
-                    break
-                await asyncio.sleep(0.05)
+        report = await report_when(port, lambda r: len(r.kv_lines) == 2)
         assert [r.uuid for r in report.ranks] == ["GPU-0", "GPU-1"]
         assert {k.kind: k.value for k in report.kv_lines} == {
             "kv_cache_tokens": 1234560.0,
@@ -347,9 +335,7 @@ async def test_report_during_the_run_shows_ranks_and_kv_lines(
         go.touch()
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)
     assert message(tlog).reason == COMPLETED
 
 
@@ -538,23 +524,12 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
             time.sleep(0.05)
         """
     )
-    proc = await asyncio.create_subprocess_exec(
-        *launcher_cmd(tlog, [*child, "--tensor-parallel-size", "2"]),
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await start(launcher_cmd(tlog, [*child, "--tensor-parallel-size", "2"]), env)
     try:
         port = await agent_port(proc, 30)
-        async with aiohttp.ClientSession() as s:
-            for _ in range(200):
-                async with s.get(f"http://127.0.0.1:{port}/report") as r:
-                    report = parse_report(await r.read())
-                if all(r.engine_memory is not None for r in report.ranks):
-                    break
-                await asyncio.sleep(0.05)
-            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
-                metrics = (await r.read()).decode()
+        report = await report_when(port, lambda r: all(x.engine_memory is not None for x in r.ranks))
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            metrics = (await r.read()).decode()
         assert report.engine_version == "0.33.0"
         assert [r.engine_memory.consumed_bytes if r.engine_memory else None for r in report.ranks] == [
             16 * GIB,
@@ -564,9 +539,7 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
         go.touch()
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)
 
 
 def test_a_start_up_refusal_is_marked_as_one(sim_env: dict[str, str], tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from launched import agent_port
+from launched import agent_port, stop
 
 from rankguard_agent.gpu.sim import SimBackend, write_device
 from rankguard_agent.probe import ProbeConfig, model_shape_from_config, run_probe, warmup_shapes
@@ -186,9 +186,7 @@ async def test_launcher_probes_first_and_reports_it(
         go.touch()
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)
 
 
 def test_warmup_shapes_follow_the_model_and_stay_bounded() -> None:
