@@ -1,5 +1,9 @@
 """Keeping KV capacity without crashing: three ways to size vLLM's KV cache, compared.
 
+(Over 450 lines because it is one benchmark: the world replay, the two baselines, and
+rankguard's loop on API-shaped objects (spec, Deployment, pod, termination, report) are read
+together against the table they print; splitting them would scatter one measurement.)
+
 For each built-in GPU scenario, three strategies run the serving setup again and again in the
 simulated world until one run survives the scenario's whole load pattern:
 
@@ -59,6 +63,7 @@ from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash, format_time
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
+from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.spec import parse_spec
 from rankguard_sim.engine_config import EngineConfig
 from rankguard_sim.engine_failures import EngineFailure
@@ -457,12 +462,7 @@ def crashed(
 def pod_argv(pod: Mapping[str, Any]) -> list[str]:
     """The `vllm` command line the pod runs: its vLLM container's command after the agent's
     launcher (`python3 -m rankguard_agent launch … -- vllm ARGS`)."""
-    [container] = [c for c in pod["spec"]["containers"] if c["name"] == VLLM_CONTAINER]
-    command = list(container["command"])
-    at = command.index("--")
-    if command[at + 1] != "vllm":
-        raise AssertionError(f"the launcher does not start vllm: {command}")
-    return command[at + 2 :]
+    return served_argv(pod["spec"])
 
 
 def deployment_status(deployment: Mapping[str, Any], *, ready: bool) -> dict[str, int]:

@@ -22,12 +22,13 @@ import yaml
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.engine_rules import rules_for_image
 from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.units import QuantityError, parse_bytes
+from rankguard_operator.edge.config import DEFAULT_AGENT_IMAGE
 
 API_VERSION = "rankguard.io/v1alpha1"
 KIND = "LLMService"
-DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # the API server assigns the real one
 
 
@@ -104,13 +105,11 @@ def render_service(
 
 def check_deployment(deployment: Mapping[str, Any]) -> tuple[list[str], str | None]:
     """(problems the image's vLLM would have with the rendered command, the rules note)."""
-    containers = deployment["spec"]["template"]["spec"]["containers"]
-    vllm = next(c for c in containers if c["name"] == VLLM_CONTAINER)
+    pod_spec = deployment["spec"]["template"]["spec"]
+    vllm = next(c for c in pod_spec["containers"] if c["name"] == VLLM_CONTAINER)
     rules = rules_for_image(vllm["image"])
-    command = vllm["command"]
-    argv = command[command.index("vllm") + 1 :]
     # $(POD_IP) is expanded by the kubelet; any address stands in for it here
-    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in argv]
+    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in served_argv(pod_spec)]
     name = deployment["metadata"]["name"]
     return [f"{name}: vLLM {rules.version}: {p}" for p in rules.cli.check_serve(argv)], rules.note
 

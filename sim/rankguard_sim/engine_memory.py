@@ -1,5 +1,9 @@
 """vLLM v1's memory behaviour over a scenario: per-rank bytes by phase, replayed over a ledger.
 
+(Over 450 lines because `EngineMemoryModel` is vLLM's start-up and serving sequence in the
+order vLLM runs it, per phase: other processes, init, weights, profile, KV, graphs, warm-up,
+steps, and the per-worker report it prints; one sequence, read top to bottom.)
+
 `rank_memory` turns a scenario and an engine configuration into each rank's bytes;
 `EngineMemoryModel` replays vLLM v1's start-up and serving sequence over a `Ledger` (what is
 free on each GPU). The fake vLLM runs it over the simulated GPU files; `engine_outcome`

@@ -1,6 +1,10 @@
 """The LLMService CRD on a real kube-apiserver: what `kubectl apply` accepts, what it refuses and
 with which message, the TP-change transition rule, the status subresource, and the columns
-`kubectl get llmservice` prints."""
+`kubectl get llmservice` prints.
+
+(Over 450 lines because most of it is the table of valid and refused objects, one per CRD
+rule, held against one API server started once for the module.)
+"""
 
 from __future__ import annotations
 

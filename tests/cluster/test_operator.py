@@ -1,5 +1,8 @@
 """The operator itself, under kopf's KopfRunner, against the real API server.
 
+(Over 450 lines because every test shares one harness, the in-process operator and a test
+playing the kubelet through pods/status; the step's own paths are unit-tested without it.)
+
 Each test starts the real operator in this process (the kopf CLI, our handlers module),
 watching only a namespace of its own (`op-…`), so it never meets the e2e suite's operator
 subprocess (which watches `e2e-*`). There is no node: the test plays the kubelet, writing pod

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import aiohttp
 
 from rankguard_agent.report import Report, parse_report
+from rankguard_agent.termination import MAX_TERMINATION_BYTES, TerminationMessage, parse_termination_message
 
+AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"  # what PYTHONPATH gives the launcher
 _LISTENING = re.compile(rb"http://127\.0\.0\.1:(\d+)")
 
 
@@ -31,16 +37,17 @@ async def start(cmd: Sequence[str], env: Mapping[str, str]) -> asyncio.subproces
     )
 
 
-async def report_when(port: int, ready: Callable[[Report], bool], tries: int = 200) -> Report:
-    """The agent's /report once `ready` holds for it (the last one read after `tries` reads)."""
+async def report_when(port: int, ready: Callable[[Report], bool], timeout: float = 30) -> Report:
+    """The agent's /report once `ready` holds for it, polled until `timeout` seconds have
+    passed (then the last one read, for the caller's assertions to say what was missing)."""
+    deadline = asyncio.get_running_loop().time() + timeout
     async with aiohttp.ClientSession() as s:
-        for _ in range(tries):
+        while True:
             async with s.get(f"http://127.0.0.1:{port}/report") as r:
                 report = parse_report(await r.read())
-            if ready(report):
-                break
-            await asyncio.sleep(0.05)
-    return report
+            if ready(report) or asyncio.get_running_loop().time() > deadline:
+                return report
+            await asyncio.sleep(0.05)  # the poll interval of a bounded wait, not a synchronisation
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:
@@ -48,3 +55,39 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         proc.kill()
         await proc.wait()
+
+
+def launcher_cmd(tlog: Path | str, child: list[str], *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rankguard_agent",
+        "launch",
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--termination-log",
+        str(tlog),
+        *extra,
+        "--",
+        *child,
+    ]
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def run(
+    env: dict[str, str], tlog: Path | str, child: list[str], timeout: float = 60
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        launcher_cmd(tlog, child), env=env, capture_output=True, timeout=timeout, check=False
+    )
+
+
+def message(tlog: Path) -> TerminationMessage:
+    text = tlog.read_text()
+    assert len(text.encode()) <= MAX_TERMINATION_BYTES
+    return parse_termination_message(text)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from reconcile_world import flags_of, vllm_argv
 
 from rankguard_operator.cli import main
 from rankguard_operator.cli_render import check_deployment
@@ -40,11 +41,6 @@ def write(tmp_path: Path, *docs: Any) -> str:
     return str(path)
 
 
-def vllm_argv(deployment: dict[str, Any]) -> list[str]:
-    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
-    return list(command[command.index("vllm") + 1 :])
-
-
 def test_the_example_renders_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(capsys, "render", "-f", str(EXAMPLE), "--check")
     assert rc == 0, err
@@ -64,8 +60,8 @@ def test_render_is_the_operators_first_pass(tmp_path: Path, capsys: pytest.Captu
     assert argv[:2] == ["serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
     assert "--kv-cache-memory-bytes" not in argv
     assert argv[-1] == "--enable-prefix-caching" and "--block-size" not in argv
-    assert argv[: len(vllm_args(spec, _flags_of(deployment), None))] == vllm_args(
-        spec, _flags_of(deployment), None
+    assert argv[: len(vllm_args(spec, flags_of(deployment), None))] == vllm_args(
+        spec, flags_of(deployment), None
     )
 
 
@@ -130,13 +126,3 @@ def test_check_reports_what_vllm_would_refuse(tmp_path: Path, capsys: pytest.Cap
     assert note is None
     assert any("--max-num-seqs needs an integer, got 'many'" in p for p in problems), problems
     assert any("has no option --no-such-flag" in p for p in problems), problems
-
-
-def _flags_of(deployment: dict[str, Any]) -> Any:
-    import json
-
-    from rankguard_operator.core.flags import ServingFlags
-    from rankguard_operator.core.names import FLAGS_ANNOTATION
-
-    raw = deployment["spec"]["template"]["metadata"]["annotations"][FLAGS_ANNOTATION]
-    return ServingFlags.from_status(json.loads(raw)) or ServingFlags()

@@ -1,4 +1,7 @@
-"""The process kubelet's pure rules: expansion, env, paths, commands, status, probes, back-off."""
+"""The process kubelet's pure rules: expansion, env, paths, commands, status, probes, back-off.
+
+(Over 450 lines: one section per rule of the kubelet, each short; they share the pod fixtures.)
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The planner against the article's figures, the reference KV table, and hand-computed cases."""
+"""The planner against the article's figures, the reference KV table, and hand-computed cases.
+
+(Over 450 lines because `make_plan` is one computation; its cases share one setting and the
+hand-computed figures they are checked against. Properties are in test_planner_properties.py.)
+"""
 
 from __future__ import annotations
 

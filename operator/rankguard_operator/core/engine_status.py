@@ -47,12 +47,10 @@ def engine_view(
     reported = observation.engine_version if observation is not None else None
     tagged = image_version(spec.image)
     version, source = (reported, "agent") if reported else (tagged, "image") if tagged else (None, "unknown")
-    rows: dict[int, Mapping[str, Any]] = {}
-    if state.engine_budget_key == key:
-        for row in (state.raw.get("engine") or {}).get("ranks") or []:
-            if isinstance(row, Mapping) and state.engine_non_kv.get(row.get("rank", -1)) is not None:
-                rows[int(row["rank"])] = dict(row)
-    for r in observation.fresh_ranks if observation is not None else ():
+    kept_rows, kept_free = state.kept_engine(key)
+    rows: dict[int, Mapping[str, Any]] = {int(r["rank"]): r for r in kept_rows}
+    fresh = observation.fresh_ranks if observation is not None else ()
+    for r in fresh:
         if r.engine is not None:
             e = r.engine
             rows[r.rank] = {
@@ -67,10 +65,9 @@ def engine_view(
     ordered = tuple(rows[k] for k in sorted(rows))
     free = [int(r["freeAtStartBytes"]) for r in ordered if isinstance(r.get("freeAtStartBytes"), int)]
     free += [t.free_bytes for t in terminations if t.startup_refusal and t.free_bytes]
-    fresh = observation.fresh_ranks if observation is not None else ()
     free += [r.engine_free_at_start for r in fresh if r.engine_free_at_start is not None]
-    if state.engine_budget_key == key and state.startup_free_bytes is not None:
-        free.append(state.startup_free_bytes)
+    if kept_free is not None:
+        free.append(kept_free)
     return EngineView(
         version=version,
         source=source,

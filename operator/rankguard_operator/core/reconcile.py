@@ -216,7 +216,8 @@ class _Pass:
         # final patch is computed against this, so it also clears the intent it follows.
         self.stored: dict[str, Any] = dict(state.raw)
         # what the last pass rendered with; this pass's engine view may lower it
-        self.startup_free = state.startup_free_bytes if state.engine_budget_key == budget_key(spec) else None
+        self.key = budget_key(spec)
+        self.startup_free = state.kept_engine(self.key)[1]
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
         w = self.world
@@ -281,8 +282,7 @@ class _Pass:
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         try:
-            key = budget_key(spec)
-            engine = engine_view(state, spec, observation, key, fresh_terms)
+            engine = engine_view(state, spec, observation, self.key, fresh_terms)
             self.startup_free = engine.startup_free_bytes
             gpu = state.gpu_memory_bytes
             learned = learned_gpu_bytes(observation, spec.world_size, [t.total_bytes for t in fresh_terms])
@@ -394,8 +394,8 @@ class _Pass:
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),
-                "engine": engine_status(engine, key),
-                "budgetKey": key,
+                "engine": engine_status(engine, self.key),
+                "budgetKey": self.key,
                 "handledTerminations": list(self.handled),
                 "lowHeadroomSince": low_since,
                 "ampleHeadroomSince": ample_since,

@@ -106,6 +106,18 @@ def vllm_args(
     return args + list(e.extra_args)
 
 
+def served_argv(pod_spec: Mapping[str, Any]) -> list[str]:
+    """The `vllm` arguments a rendered (or running) pod spec's vLLM container runs: everything
+    after the launcher's `-- vllm`, starting with `serve`. Raises ValueError when the container
+    does not start vLLM through the launcher."""
+    [container] = [c for c in pod_spec["containers"] if c["name"] == VLLM_CONTAINER]
+    command = list(container["command"])
+    at = command.index("--")
+    if command[at + 1 : at + 2] != ["vllm"]:
+        raise ValueError(f"the launcher does not start vllm: {command}")
+    return command[at + 2 :]
+
+
 def _probe_shape(spec: ServiceSpec, plan: Plan | None) -> ModelShape | None:
     if plan is not None:
         return plan.inputs.shape

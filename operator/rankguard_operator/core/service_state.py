@@ -74,14 +74,28 @@ class ServiceState:
     ample_headroom_since: float | None = None
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
-    # vLLM's own non-KV figure per rank, kept from the start-up that printed it (only a start
-    # without --kv-cache-memory-bytes does), for the budget key it was measured under
-    engine_non_kv: Mapping[int, int] = field(default_factory=dict)
+    # status.engine (core/engine_status): vLLM's own per-rank memory rows, kept from the
+    # start-up that printed them (only a start without --kv-cache-memory-bytes does), and the
+    # least free memory a worker found at start-up, both for the budget key they were measured
+    # under; read them through `kept_engine`
+    engine_rows: tuple[Mapping[str, Any], ...] = ()
     engine_budget_key: str | None = None
-    startup_free_bytes: int | None = None  # status.engine.startupFreeBytes (engine_status)
+    startup_free_bytes: int | None = None
     service_applied: bool = False
     observed_generation: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def kept_engine(self, key: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
+        """(status.engine's per-rank rows, its start-up free memory) when they were measured
+        under budget key `key`; nothing once the spec's budget inputs have changed."""
+        if self.engine_budget_key != key:
+            return (), None
+        return self.engine_rows, self.startup_free_bytes
+
+    @property
+    def engine_non_kv(self) -> dict[int, int]:
+        """The kept rows as {rank: the engine's non-KV bytes} (whatever their budget key)."""
+        return {int(r["rank"]): int(r["nonKVBytes"]) for r in self.engine_rows}
 
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None) -> ServiceState:
@@ -103,7 +117,7 @@ class ServiceState:
             ample_headroom_since=_float(s.get("ampleHeadroomSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
-            engine_non_kv=_engine_non_kv(engine),
+            engine_rows=_engine_rows(engine),
             engine_budget_key=_str(engine.get("budgetKey")),
             startup_free_bytes=_positive_int(engine.get("startupFreeBytes")),
             service_applied=s.get("serviceApplied") is True,
@@ -120,15 +134,22 @@ def _str(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _engine_non_kv(doc: Any) -> dict[int, int]:
-    """status.engine.ranks[].{rank, nonKVBytes} -> {rank: bytes}; anything malformed is skipped."""
-    if not isinstance(doc, Mapping) or not isinstance(doc.get("ranks"), list):
-        return {}
-    out: dict[int, int] = {}
-    for row in doc["ranks"]:
+def _engine_rows(doc: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    """status.engine.ranks[], the rows with a valid rank and nonKVBytes (a person can edit
+    status: anything malformed is skipped, never trusted)."""
+    rows = doc.get("ranks")
+    if not isinstance(rows, list):
+        return ()
+    out = []
+    for row in rows:
         if not isinstance(row, Mapping):
             continue
-        rank, value = row.get("rank"), _positive_int(row.get("nonKVBytes"))
-        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 and value is not None:
-            out[rank] = value
-    return out
+        rank = row.get("rank")
+        if (
+            isinstance(rank, int)
+            and not isinstance(rank, bool)
+            and rank >= 0
+            and _positive_int(row.get("nonKVBytes"))
+        ):
+            out.append(dict(row))
+    return tuple(out)

@@ -1,0 +1,216 @@
+"""An in-memory cluster for `reconcile.step` tests: it carries out the step's effects the way
+the edge executor does (status merge patches as the API server applies them, Deployment
+applies with generations, named Events), plus the pods, reports and termination records the
+tests feed it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankguard_agent import termination as tm
+from rankguard_agent.report import RankSample, Report
+from rankguard_operator.core import reconcile
+from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import (
+    FLAGS_ANNOTATION,
+    TEMPLATE_HASH_ANNOTATION,
+)
+from rankguard_operator.core.observe import deployment_template_hash
+from rankguard_operator.core.render import served_argv
+from rankguard_operator.core.units import GiB
+
+SETTINGS = reconcile.Settings(agent_image="agent:test", stale_after=30.0)
+T0 = 1_800_000_000.0
+SPEC: dict[str, Any] = {
+    "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+    "image": "vllm/vllm-openai:v0.33.0",
+    "tensorParallelSize": 2,
+    "engine": {"maxModelLen": 8192},
+    "memory": {"gpuMemoryBytes": 80 * GiB},
+    "agent": {"port": 9404},
+}
+
+
+def cuda_oom_record(rank: int = 0) -> dict[str, Any]:
+    message = tm.TerminationMessage(
+        reason=tm.CUDA_OOM,
+        exit_code=1,
+        rank=rank,
+        gpu_index=rank,
+        requested_bytes=2 * GiB,
+        free_bytes=GiB,
+        total_bytes=80 * GiB,
+        detail="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+    ).to_json()
+    return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a status merge patch."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+@dataclass
+class Cluster:
+    """What the API server holds for one LLMService, changed only through effects."""
+
+    spec: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SPEC))
+    generation: int = 1
+    status: dict[str, Any] = field(default_factory=dict)
+    deployment: dict[str, Any] | None = None
+    service: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    events: dict[str, reconcile.PostEvent] = field(default_factory=dict)
+    applies: list[Mapping[str, Any]] = field(default_factory=list)
+    clock: float = T0
+    ids: int = 0
+
+    def world(self, reports: tuple[reconcile.ReportInput, ...] = ()) -> reconcile.World:
+        self.ids += 1
+        return reconcile.World(
+            name="svc",
+            namespace="ns",
+            uid="uid-1",
+            generation=self.generation,
+            spec=copy.deepcopy(self.spec),
+            now=self.clock,
+            new_id=f"rid-{self.ids}",
+            deployment=copy.deepcopy(self.deployment),
+            pods=copy.deepcopy(self.pods),
+            reports=reports,
+        )
+
+    def state(self) -> reconcile.ServiceState:
+        return reconcile.ServiceState.from_status(copy.deepcopy(self.status))
+
+    def execute(self, effect: reconcile.Effect) -> None:
+        if isinstance(effect, reconcile.WriteIntent):
+            self.status["pendingRemediation"] = dict(effect.pending)
+        elif isinstance(effect, reconcile.WriteStatus):
+            self.status = merge_patch(self.status, effect.patch)
+        elif isinstance(effect, reconcile.ApplyDeployment):
+            self.applies.append(effect.body)
+            self.deployment = reconcile.after_apply(self.deployment, copy.deepcopy(dict(effect.body)))
+        elif isinstance(effect, reconcile.ApplyService):
+            self.service = dict(effect.body)
+        elif isinstance(effect, reconcile.PostEvent):
+            key = effect.name or f"{effect.reason}#{len(self.events)}"
+            self.events.setdefault(key, effect)
+
+    def run(self, crash_after: int | None = None, **kw: Any) -> reconcile.Step:
+        """One pass; with `crash_after`, the operator dies after that many effects."""
+        step = reconcile.step(self.state(), self.world(**kw), SETTINGS)
+        for i, effect in enumerate(step.effects):
+            if crash_after is not None and i >= crash_after:
+                break
+            self.execute(effect)
+        self.clock += 2.0
+        return step
+
+    def controller_done(self) -> None:
+        """The Deployment controller rolled every replica out and the pods are ready."""
+        assert self.deployment is not None
+        d = self.deployment
+        n = d["spec"]["replicas"]
+        d["status"] = {
+            "observedGeneration": d["metadata"]["generation"],
+            "replicas": n,
+            "updatedReplicas": n,
+            "readyReplicas": n,
+            "availableReplicas": n,
+        }
+        template = d["spec"]["template"]
+        self.pods = [
+            pod(f"svc-{d['metadata']['generation']}", template["metadata"]["annotations"], ready=True)
+        ]
+
+    def template_changed(self) -> bool:
+        """The Deployment holds another template than the pods were created from."""
+        live = deployment_template_hash(self.deployment)
+        return any(p["metadata"]["annotations"].get(TEMPLATE_HASH_ANNOTATION) != live for p in self.pods)
+
+    def kv_rolls(self) -> list[int]:
+        """The distinct KV budgets the Deployment was rolled to, in order."""
+        out: list[int] = []
+        for body in self.applies:
+            kv = flags_of(body).kv_cache_memory_bytes
+            assert kv is not None
+            if not out or out[-1] != kv:
+                out.append(kv)
+        return out
+
+
+def pod(name: str, annotations: Mapping[str, str], *, ready: bool, terminated: Any = None) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "podIP": "127.0.0.9",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "containerStatuses": [
+            {"name": "vllm", "restartCount": 1 if terminated else 0, "state": {"running": {}}}
+        ],
+    }
+    if terminated is not None:
+        status["containerStatuses"][0]["lastState"] = {"terminated": terminated}
+    return {
+        "metadata": {"name": name, "uid": f"uid-{name}", "annotations": dict(annotations)},
+        "status": status,
+    }
+
+
+def flags_of(deployment: Mapping[str, Any]) -> ServingFlags:
+    raw = deployment["spec"]["template"]["metadata"]["annotations"][FLAGS_ANNOTATION]
+    import json
+
+    flags = ServingFlags.from_status(json.loads(raw))
+    assert flags is not None
+    return flags
+
+
+def report(min_free: tuple[int, ...], at: float) -> Report:
+    ranks = [
+        RankSample(
+            rank=r,
+            uuid=f"GPU-{r}",
+            total_bytes=80 * GiB,
+            used_bytes=80 * GiB - (m + GiB),
+            free_bytes=m + GiB,
+            min_free_bytes=m,
+            window_seconds=10.0,
+        )
+        for r, m in enumerate(min_free)
+    ]
+    return Report(version=1, agent_version="0.1.0", timestamp=at, ranks=ranks)
+
+
+def running() -> Cluster:
+    """An LLMService applied and Ready: first pass, rollout done, a steady pass."""
+    c = Cluster()
+    c.run()
+    c.controller_done()
+    c.run()
+    return c
+
+
+def crash_the_pod(c: Cluster) -> str:
+    """The serving pod's vLLM dies of a CUDA OOM on rank 0; returns the termination key."""
+    p = c.pods[0]
+    c.pods = [
+        pod(p["metadata"]["name"], p["metadata"]["annotations"], ready=False, terminated=cuda_oom_record())
+    ]
+    return f"{c.pods[0]['metadata']['uid']}/vllm/0"
+
+
+def vllm_argv(deployment: Mapping[str, Any]) -> list[str]:
+    """The `vllm` arguments the Deployment's pods run."""
+    return served_argv(deployment["spec"]["template"]["spec"])
