@@ -26,8 +26,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS, MAX_SCAN_LINE
+from rankguard_agent.model_files import ModelFiles
+from rankguard_agent.model_watch import ModelWatch
 from rankguard_agent.probe import ProbeConfig, run_probe
 from rankguard_agent.recognisers import (
+    MODEL_LOADING,
     CudaGraphPool,
     CudaOom,
     InitialFree,
@@ -391,6 +394,19 @@ class Launcher:
             write_termination_log(self.cfg.termination_log, message)
             return code
         log.info("engine started (pid %d): %.300s", child.pid, " ".join(cmd))
+        state = runtime.state
+
+        def publish(found: ModelFiles) -> None:
+            state.model = found.report()
+
+        watch = ModelWatch(cmd, self.env, publish, lambda: MODEL_LOADING in state.kv_lines)
+        watch.start()
+        try:
+            return await self._watch_child(child, runtime)
+        finally:
+            watch.stop(timeout=0.5)  # a read in progress must not hold up the exit
+
+    async def _watch_child(self, child: asyncio.subprocess.Process, runtime: AgentRuntime) -> int:
         assert child.stdout is not None and child.stderr is not None
         pumps = [
             asyncio.ensure_future(_pump(child.stdout, _Output(1, "stdout"), self._scanner("stdout"))),

@@ -4,7 +4,8 @@ The agent builds it with `Report.to_json()`; the operator parses untrusted bytes
 `parse_report()`, which either returns a fully validated `Report` or raises `ReportError`.
 Anything malformed is "no data" for the operator, never a reason to act (DESIGN §5).
 
-The engine fields (`engine_version`, `unparsed_lines`, per rank `engine_memory`) are advisory: one that is
+The engine fields (`engine_version`, `unparsed_lines`, per rank `engine_memory`) and `model` (the
+served model's config.json and checkpoint headers, `report_model`) are advisory: one that is
 malformed is dropped alone and named in `Report.dropped_fields` (the operator counts those),
 while the rest of the report stands. Everything else malformed rejects the whole report.
 
@@ -18,9 +19,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rankguard_agent.report_model import ModelReport, ModelReportError, parse_model
+
 REPORT_VERSION = 1
-# A TP-64 report with KV lines is ~20 KiB; anything far beyond that is hostile or broken.
-MAX_REPORT_BYTES = 256 * 1024
+# A TP-64 report with KV lines is ~20 KiB; `model` adds at most a 256 KiB config.json and
+# 4096 layers of figures (~350 KiB); anything far beyond that is hostile or broken.
+MAX_REPORT_BYTES = 1024 * 1024
 MAX_RANKS = 64
 MAX_TEXT = 1024
 # Largest believable GPU memory figure (1 PiB); bigger numbers are garbage, not GPUs.
@@ -109,12 +113,14 @@ class Report:
     engine_version: str | None = None  # the vLLM the launcher started (package metadata), if known
     # engine lines the agent saw but could not read, by kind (rankguard_agent_unparsed_lines_total)
     unparsed_lines: dict[str, int] = field(default_factory=dict)
+    model: ModelReport | None = None  # the served model's files, once the agent read them
     # Set by parse_report only, never sent: "where: why" for each engine field it dropped.
     dropped_fields: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         doc = asdict(self)
         del doc["dropped_fields"]
+        doc["model"] = None if self.model is None else self.model.to_doc()
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -222,6 +228,14 @@ def _unparsed(d: dict[str, Any], dropped: list[str]) -> dict[str, int]:
     return dict(v)
 
 
+def _model(d: dict[str, Any], dropped: list[str]) -> ModelReport | None:
+    try:
+        return parse_model(d.get("model"))
+    except ModelReportError as e:
+        dropped.append(str(e))
+        return None
+
+
 def _rank(doc: Any, where: str, dropped: list[str]) -> RankSample:
     d = _obj(doc, where)
     try:
@@ -316,5 +330,6 @@ def parse_report(raw: bytes) -> Report:
         sampler_ok=sampler_ok,
         engine_version=_engine_version(d, dropped),
         unparsed_lines=_unparsed(d, dropped),
+        model=_model(d, dropped),
         dropped_fields=dropped,
     )

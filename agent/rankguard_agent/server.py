@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
 from rankguard_agent.report import MAX_TEXT, REPORT_VERSION, EngineMemory, KVLine, ProbeResult, Report
+from rankguard_agent.report_model import ModelReport
 from rankguard_agent.sampler import Sampler
 
 log = logging.getLogger("rankguard_agent.server")
@@ -44,6 +45,7 @@ class AgentState:
     engine_version: str | None = None  # the vLLM the launcher started, from its package metadata
     engine_memory: dict[int, EngineMemory] = field(default_factory=dict)  # by rank
     unparsed_lines: dict[str, int] = field(default_factory=dict)  # by kind; see UNPARSED_KINDS
+    model: ModelReport | None = None  # the served model's files (model_watch), once read
 
     def record_engine_memory(self, rank: int, seen: EngineMemory) -> None:
         """Merge what a worker line said into the rank's account: the figures it carries
@@ -82,6 +84,7 @@ class AgentState:
             sampler_ok=self.backend_error is None and self.sampler.is_up(),
             engine_version=self.engine_version,
             unparsed_lines={k: n for k, n in self.unparsed_lines.items() if n},
+            model=self.model,
         )
 
 

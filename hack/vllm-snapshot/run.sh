@@ -24,11 +24,15 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vl
 fi
 
 export VLLM_TARGET_DEVICE=cpu
+layouts="$repo/tests/fixtures/vllm_kv_layouts.json"  # the KV-layout oracle (core/kv_layout.py's cases)
 if [ "$mode" = "--check" ]; then
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     "$venv/bin/python" "$here/snapshot.py" "$tmp" >/dev/null 2>&1 || "$venv/bin/python" "$here/snapshot.py" "$tmp"
     diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
+    "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
+    diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
 else
     "$venv/bin/python" "$here/snapshot.py" "$dest" 2>/dev/null
+    "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
 fi

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from rankguard_operator import __version__
 from rankguard_operator.cli_render import RenderError, add_render
+from rankguard_operator.core.kv_model import default_block_size
 from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, resolve_model
 from rankguard_operator.core.planner import (
     DEFAULT_BLOCK_SIZE,
@@ -35,9 +36,14 @@ from rankguard_operator.core.planner import (
     RankMeasurement,
     make_plan,
 )
+from rankguard_operator.core.quantization import RUNTIME_QUANTIZATION
 from rankguard_operator.core.units import QuantityError, format_bytes, parse_bytes
 
 PROG = "rankguard"
+
+
+class UnmodelledError(Exception):
+    """The model's architecture is not modelled: planning it from priors would be a guess."""
 
 
 class CLIError(Exception):
@@ -112,7 +118,9 @@ def _add_plan(sub: Any) -> None:
         "--weight-dtype", default="auto", help="weight precision: auto, bfloat16, fp8, int8, int4, ..."
     )
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM --kv-cache-dtype (default auto)")
-    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument(
+        "--block-size", type=_positive_int, help=f"default: vLLM's ({DEFAULT_BLOCK_SIZE}; 64 for MLA models)"
+    )
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-model-len", type=_positive_int, help="default: the model's max_position_embeddings")
@@ -145,6 +153,17 @@ def _add_plan(sub: Any) -> None:
         default=[],
         metavar="RANK=BYTES",
         help="observed peak non-KV memory of RANK, context included (replaces the estimate); repeatable",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=RUNTIME_QUANTIZATION,
+        help="vLLM --quantization on an unquantised checkpoint (the spec's model.quantization)",
+    )
+    p.add_argument(
+        "--allow-unmodelled",
+        action="store_true",
+        help="plan an architecture rankguard does not model from priors anyway (the operator measures "
+        "such a model first instead); without it, rankguard plan refuses with exit code 3",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_run_plan)
@@ -213,6 +232,12 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         assert hf_config is not None
         name = str(hf_config.get("_name_or_path") or args.config.resolve().parent.name or "config.json")
     shape = resolve_model(name, dict(args.shape) or None, hf_config=hf_config)
+    if shape.unmodelled and not args.allow_unmodelled:
+        raise UnmodelledError(
+            f"{shape.unmodelled}: rankguard will not plan it from priors. In a cluster the operator "
+            "measures it first (vLLM's own profile, then an explicit budget); pass --allow-unmodelled "
+            "to see the prior plan anyway"
+        )
     return make_plan(
         PlanInput(
             shape=shape,
@@ -222,7 +247,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
             kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size,
+            block_size=args.block_size or default_block_size(shape),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -230,6 +255,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             safety_margin_bytes=args.safety_margin,
             enforce_eager=args.enforce_eager,
             measured=_measurements(args),
+            quantization=args.quantization,
         )
     )
 
@@ -313,6 +339,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     func: Callable[[argparse.Namespace, TextIO], int] = args.func
     try:
         return func(args, sys.stdout)
+    except UnmodelledError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 3
     except (CLIError, ModelError, PlanError, RenderError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from rankguard_sim import gpus
 from rankguard_sim.engine_config import EngineConfig, EngineConfigError
 from rankguard_sim.engine_failures import EngineFailure, GpuLost
 from rankguard_sim.engine_memory import EngineMemoryModel, KVPlan
+from rankguard_sim.hf_download import download, hf_hub_cache, is_repo_id
 from rankguard_sim.scenario_data import Scenario, ScenarioError
 from rankguard_sim.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
 from rankguard_sim.vllm_args import VLLM_VERSION, config_from_args, non_default_args, parse_args
@@ -156,6 +157,7 @@ class FakeVllm:
     console: Console
     host: HostMemoryReporter
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.engine = EngineMemoryModel(self.scenario, self.config, self.ledger)
@@ -201,6 +203,7 @@ class FakeVllm:
         requested = self.engine.check_free_memory()
         for _, who in self.workers():
             c.info(who, "gpu_model_runner.py:4979", f"Starting to load model {self.args.model_tag}...")
+        self.download()
         if s.host_memory is not None:
             self.host.report(s.host_memory.after_load_bytes)  # weights are staged in host memory
         load_started = time.monotonic()
@@ -266,6 +269,15 @@ class FakeVllm:
         )
         self.metrics.set_cache_config(cfg, plan)
         return plan
+
+    def download(self) -> None:
+        """A repo id's files into the Hugging Face cache (vLLM downloads while it loads),
+        header-only, when the scenario gives the model's config.json (hf_download)."""
+        config, tag = self.scenario.model_config, str(self.args.model_tag)
+        if config is None or not is_repo_id(tag):
+            return
+        cache = Path(self.args.download_dir) if self.args.download_dir else hf_hub_cache(self.env)
+        download(cache, tag, config, self.args.revision)
 
     def print_memory_reports(self) -> None:
         """After graph capture, each worker's memory report and graph-pool line (utilisation only).
@@ -530,6 +542,7 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         settings=settings,
         console=console,
         host=HostMemoryReporter(settings.host_memory_file, pid),
+        env=env,
     )
     return asyncio.run(fake.run())
 

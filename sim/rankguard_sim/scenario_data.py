@@ -187,6 +187,9 @@ class Scenario:
     host_memory: HostMemory | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
     path: str | None = None
+    # The model's config.json: the fake vLLM "downloads" it (header-only safetensors) into the
+    # Hugging Face cache when it serves a repo id. None: it writes nothing.
+    model_config: Mapping[str, Any] | None = None
 
     @property
     def world_size(self) -> int:

@@ -7,14 +7,16 @@ changes the world every test and benchmark measures against.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .checkpoint_tensors import CheckpointConfigError, checkpoint_tensors, head_dim, text_config
 from .engine_config import DTYPE_BYTES
 from .scenario_data import (
     DISABLED_BY,
@@ -251,6 +253,7 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         assert baseline is not None and after is not None
         host = HostMemory(baseline_bytes=baseline, after_load_bytes=after, source=hm.source())
         hm.done()
+    model_config = _model_config(r._get("model_config", False), f"{where}.model_config", path, model)
     r.done()
 
     scenario = Scenario(
@@ -268,9 +271,42 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         host_memory=host,
         sources=dict(sources_doc),
         path=path,
+        model_config=model_config,
     )
     _check_fits_at_rest(scenario, where)
     return scenario
+
+
+def _model_config(value: Any, where: str, path: str | None, model: ModelSpec) -> Mapping[str, Any] | None:
+    """`model_config`: the config.json object, or a JSON file's path (relative: to the scenario's
+    folder). It must describe the scenario's model, and its tensors must be derivable."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        file = Path(value)
+        if not file.is_absolute():
+            file = (Path(path).parent if path else Path.cwd()) / file
+        try:
+            value = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ScenarioError(f"{where}: cannot read {file} ({e})") from None
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{where}: expected the config.json object or a JSON file's path")
+    try:
+        checkpoint_tensors(value)
+        text = text_config(value)
+        said = {
+            "vocab_size": text["vocab_size"],
+            "num_layers": text["num_hidden_layers"],
+            "num_kv_heads": text.get("num_key_value_heads", text["num_attention_heads"]),
+            "head_dim": head_dim(text),
+        }
+    except (CheckpointConfigError, KeyError) as e:
+        raise ScenarioError(f"{where}: {e}") from None
+    for key, figure in said.items():
+        if figure != getattr(model, key):
+            raise ScenarioError(f"{where}: {key} {figure} disagrees with model.{key} {getattr(model, key)}")
+    return value
 
 
 def _check_fits_at_rest(s: Scenario, where: str) -> None:

@@ -50,6 +50,7 @@ DOCUMENTED: frozenset[tuple[str, str]] = frozenset(
     + [("deployments.apps", v) for v in ("get", "list", "watch", "create", "patch")]
     + [("services", v) for v in ("get", "list", "watch", "create", "patch")]
     + [("pods", v) for v in ("get", "list", "watch")]
+    + [("configmaps", "get")]
     + [("events", v) for v in ("create", "patch")]
     + [("events.events.k8s.io", v) for v in ("create", "patch")]
 )

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_operator.core.memory_model import min_budget_for_one_request
+from rankguard_operator.core.kv_model import min_budget_for_one_request
 from rankguard_operator.core.spec import parse_spec, resolve_shape
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.kubelet import wait_for_pids_gone

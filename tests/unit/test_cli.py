@@ -90,6 +90,8 @@ def run_json(capsys: pytest.CaptureFixture[str]) -> str:
 def test_config_file_instead_of_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = {
         "_name_or_path": "acme/private-34b",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "vocab_size": 64000,
         "hidden_size": 7168,
         "num_hidden_layers": 60,
@@ -114,6 +116,7 @@ def test_config_and_model_name_together(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text(
         json.dumps(
             {
+                "model_type": "llama",
                 "vocab_size": 1000,
                 "hidden_size": 512,
                 "num_hidden_layers": 2,
@@ -259,3 +262,25 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "plan", "--help")
     assert rc == 0
     assert "--kv-cache-dtype" in out and "--logits" in out
+
+
+def test_an_unmodelled_architecture_is_refused_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = {
+        "architectures": ["RwkvForCausalLM"],
+        "model_type": "rwkv",
+        "vocab_size": 65536,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 4096,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, _, err = run(capsys, "plan", "--config", str(path), "--gpu-memory", "80Gi")
+    assert rc == 3
+    assert "RwkvForCausalLM (rwkv) is not modelled" in err and "--allow-unmodelled" in err
+    rc, out, _ = run(capsys, "plan", "--config", str(path), "--gpu-memory", "80Gi", "--allow-unmodelled")
+    assert rc == 0 and "Flags:" in out

@@ -53,7 +53,8 @@ class World:
         env = {
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": str(REPO / "sim"),
-            "HOME": os.environ.get("HOME", "/tmp"),
+            # the world's own home: a scenario with a model_config downloads into its HF cache
+            "HOME": str(self.root / "home"),
             gpus.GPU_ROOT_ENV: str(self.root),
             gpus.VISIBLE_DEVICES_ENV: ",".join(self.uuids),
             SCENARIO_ENV: self.scenario.name,

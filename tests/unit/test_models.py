@@ -300,7 +300,10 @@ def test_multimodal_config_reads_text_config() -> None:
         "text_config": dict(LLAMA3_70B_CONFIG),
         "vision_config": {"hidden_size": 1280},
     }
-    assert _arch(shape_from_hf_config(doc)) == _arch(CATALOG["llama-3-70b"])
+    shape = shape_from_hf_config(doc)
+    assert _arch(shape) == _arch(CATALOG["llama-3-70b"])
+    # mllama's cross-attention layers are not modelled, nor is a tower whose size is not stated
+    assert "mllama" in shape.unmodelled
 
 
 @pytest.mark.parametrize(
@@ -309,11 +312,18 @@ def test_multimodal_config_reads_text_config() -> None:
         ({"quant_method": "fp8"}, 8),
         ({"quant_method": "awq", "bits": 4, "group_size": 128}, 4),
         ({"quant_method": "gptq", "bits": 8}, 8),
-        ({"quant_method": "mystery"}, None),
     ],
 )
-def test_quantization_config(quant: dict[str, Any], bits: int | None) -> None:
-    assert shape_from_hf_config({**LLAMA3_70B_CONFIG, "quantization_config": quant}).quant_bits == bits
+def test_quantization_config(quant: dict[str, Any], bits: int) -> None:
+    shape = shape_from_hf_config({**LLAMA3_70B_CONFIG, "quantization_config": quant})
+    assert shape.quant is not None and shape.quant.bits == bits
+    assert shape.unmodelled == ""
+
+
+def test_unknown_quantization_is_unmodelled_not_guessed() -> None:
+    shape = shape_from_hf_config({**LLAMA3_70B_CONFIG, "quantization_config": {"quant_method": "mystery"}})
+    assert shape.quant is None
+    assert "'mystery' is not modelled" in shape.unmodelled
 
 
 def test_explicit_head_dim_in_config_wins() -> None:

@@ -85,7 +85,7 @@ FAILED = RolloutState("failed", 1, 0, 0, 0, True, True, "ProgressDeadlineExceede
 
 def test_the_setting() -> None:
     # the floor is one 8192-token request (512 blocks) plus vLLM 0.33's null block
-    assert (40_460_615_680, 1_310_720, 640 * MiB + 1_310_720) == (KV, UNIT, FLOOR)
+    assert (40_832_860_160, 1_310_720, 640 * MiB + 1_310_720) == (KV, UNIT, FLOOR)
     assert KV % UNIT == 0
 
 
@@ -176,7 +176,7 @@ def test_initial_from_the_prior_plan() -> None:
     assert (d.action, d.trigger, d.reason, d.rank) == ("initial", "Initial", "BudgetPlanned", 0)
     assert d.flags == ServingFlags(kv_cache_memory_bytes=KV)
     assert d.changes_flags and not d.is_remediation
-    assert "37.7Gi from priors" in d.message and "rank 0 is the bottleneck" in d.message
+    assert "38Gi from priors" in d.message and "rank 0 is the bottleneck" in d.message
 
 
 def test_initial_from_probe_figures() -> None:
@@ -245,7 +245,7 @@ def test_cuda_oom_shrinks_by_the_deficit_plus_margin() -> None:
     assert d.handled == (t.key,) and d.is_remediation and d.from_flags == CUR
     assert d.message == (
         "rank 2 ran out of GPU memory in pod llama-0 (tried to allocate 2Gi with 512Mi free); shrinking "
-        "the per-GPU KV budget from 37.7Gi to 35.7Gi (deficit 1.5Gi plus the 512Mi safety margin)"
+        "the per-GPU KV budget from 38Gi to 36Gi (deficit 1.5Gi plus the 512Mi safety margin)"
     )
 
 
@@ -318,10 +318,10 @@ def test_shrink_below_the_floor_degrades_at_the_floor() -> None:
 
 
 def test_the_floor_includes_min_kv_cache_bytes() -> None:
-    s = spec_with(remediation={"minKVCacheBytes": 36 * GiB})
-    assert kv_floor(s, PLAN) == 36 * GiB
+    s = spec_with(remediation={"minKVCacheBytes": 37 * GiB})
+    assert kv_floor(s, PLAN) == 37 * GiB
     d = decide(inp(spec=s, new_terminations=[term()]))
-    assert (d.action, d.flags.kv_cache_memory_bytes) == ("degrade", 36 * GiB)
+    assert (d.action, d.flags.kv_cache_memory_bytes) == ("degrade", 37 * GiB)
     assert "spec.remediation.minKVCacheBytes" in d.message
 
 
@@ -467,7 +467,7 @@ def test_oom_killed_under_a_pinned_budget_still_raises_the_limit() -> None:
 def test_failed_rollout_rolls_back_even_in_cooldown() -> None:
     d = decide(inp(rollout=FAILED, last_known_good=LKG, history=[past(10)]))
     assert (d.action, d.trigger, d.reason, d.flags) == ("rollback", "RolloutFailed", "RolledBack", LKG)
-    assert "ProgressDeadlineExceeded" in d.message and "35.7Gi" in d.message
+    assert "ProgressDeadlineExceeded" in d.message and "36Gi" in d.message
     five = [past(50 * i + 10) for i in range(5)]  # beyond maxPerHour too
     assert decide(inp(rollout=FAILED, last_known_good=LKG, history=five)).action == "rollback"
 

@@ -158,7 +158,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("no model", {"image": "x"}, "spec.model is required"),
     ("no image", {"model": {"name": "meta-llama/Meta-Llama-3-70B"}}, "spec.image is required"),
     ("empty name", with_("model.name", ""), "spec.model.name"),
-    ("unknown model", with_("model.name", "acme/secret-model"), "spec.model: unknown model"),
+    (
+        "bad quantization",
+        with_("model.quantization", "awq"),
+        "spec.model.quantization 'awq' is not one of fp8",
+    ),
     ("tp too big", with_("tensorParallelSize", 65), "between 1 and 64"),
     ("gpus per replica", with_("pipelineParallelSize", 16, with_("tensorParallelSize", 8)), "at most 64"),
     ("tp vs heads", with_("tensorParallelSize", 3), "must divide the 64 attention heads"),

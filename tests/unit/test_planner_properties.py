@@ -8,6 +8,8 @@ from dataclasses import replace
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from rankguard_operator.core.catalog import CATALOG
+from rankguard_operator.core.kv_model import stage_kv_layout, stage_range
 from rankguard_operator.core.models import ModelShape
 from rankguard_operator.core.planner import (
     Plan,
@@ -47,6 +49,19 @@ def shapes(draw: st.DrawFn) -> ModelShape:
     )
 
 
+# Every modelled family of the catalog (MLA, sliding and chunked windows, linear-attention
+# hybrids, MoE with dense layers, quantised checkpoints), next to the hypothetical shapes.
+CATALOG_SHAPES = sorted((s for s in CATALOG.values() if not s.unmodelled), key=lambda s: s.name)
+for _shape in CATALOG_SHAPES:
+    # the first plan of an FP8 checkpoint matches its kept-module list once (then cached): do it
+    # here, so no example pays for it against hypothesis' deadline
+    weight_bytes(_shape, 1)
+
+
+def any_shapes() -> st.SearchStrategy[ModelShape]:
+    return st.one_of(shapes(), st.sampled_from(CATALOG_SHAPES))
+
+
 def valid_tps(shape: ModelShape) -> list[int]:
     kv = shape.num_kv_heads
     return [
@@ -58,7 +73,7 @@ def valid_tps(shape: ModelShape) -> list[int]:
 
 @st.composite
 def plan_inputs(draw: st.DrawFn) -> PlanInput:
-    shape = draw(shapes())
+    shape = draw(any_shapes())
     tp = draw(st.sampled_from(valid_tps(shape)))
     pp = draw(st.sampled_from([p for p in (1, 2, 4) if p <= shape.num_layers]))
     seqs = draw(st.integers(1, 1024))
@@ -93,7 +108,7 @@ def plan_inputs(draw: st.DrawFn) -> PlanInput:
 
 
 def block_unit(plan: Plan) -> int:
-    return plan.inputs.block_size * plan.kv_bytes_per_token
+    return plan.block_bytes
 
 
 @settings(max_examples=300)
@@ -118,13 +133,28 @@ def test_budget_never_exceeds_any_ranks_safe_bytes(inp: PlanInput) -> None:
 @given(plan_inputs())
 def test_capacity_is_consistent(inp: PlanInput) -> None:
     plan = make_plan(inp)
-    bs = inp.block_size
-    assert plan.kv_tokens == plan.kv_blocks * bs
-    assert plan.kv_blocks == min(r.blocks for r in plan.ranks)
+    stages = [r.layers for r in plan.ranks[:: inp.tp]]
+    layouts = [
+        stage_kv_layout(
+            inp.shape,
+            inp.tp,
+            stage_range(stages, s),
+            kv_cache_dtype=inp.kv_cache_dtype,
+            block_size=inp.block_size,
+            max_num_batched_tokens=inp.max_num_batched_tokens,
+        )
+        for s in range(inp.pp)
+    ]
+    worst = min(layouts, key=lambda lay: lay.blocks(plan.kv_cache_memory_bytes))
+    # vLLM's printed figures: blocks of the tightest stage, tokens = concurrency x max_model_len
+    assert plan.kv_blocks == min(r.blocks for r in plan.ranks) == worst.blocks(plan.kv_cache_memory_bytes)
+    assert plan.kv_tokens == worst.tokens(plan.kv_cache_memory_bytes, plan.max_model_len)
     for r in plan.ranks:
-        assert r.blocks * bs * r.kv_bytes_per_token <= plan.kv_cache_memory_bytes
-    per_request = -(-plan.max_model_len // bs)
+        assert r.blocks * layouts[r.pp_stage].bytes_per_block <= plan.kv_cache_memory_bytes
+    per_request = worst.blocks_per_request(plan.max_model_len)
     assert abs(plan.max_concurrency * per_request - plan.kv_blocks) < 1e-6 * max(1, plan.kv_blocks)
+    if all(k == "full" for k in (inp.shape.layer_kinds or ("full",))) and inp.shape.mla is None:
+        assert plan.kv_tokens <= plan.kv_blocks * inp.block_size  # full attention: whole blocks
     assert plan.feasible == (plan.kv_cache_memory_bytes >= plan.min_kv_cache_memory_bytes > 0)
     assert plan.skew_loss_bytes >= 0 and plan.skew_loss_tokens >= 0
     json.dumps(plan.to_dict())  # always serialisable

@@ -52,7 +52,8 @@ def test_owned_options_carry_every_alias_vllm_has() -> None:
         (["-dp", "2"], ["--data-parallel-size"]),
         (["--enable-prefix-caching", "--served-model-name", "llama", "--seed", "-1"], []),
         (["--max-num", "3"], []),  # ambiguous prefix: vLLM refuses it itself (reported elsewhere)
-        (["--model-impl", "vllm", "-O3", "-q", "awq"], []),
+        (["--model-impl", "vllm", "-O3"], []),
+        (["-q", "awq"], ["--quantization"]),  # it sizes the weights: spec.model.quantization
     ],
 )
 def test_conflicting_flags(args: list[str], flags: list[str]) -> None:

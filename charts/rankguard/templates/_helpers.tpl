@@ -126,6 +126,10 @@ LLMService, so the garbage collector removes them; the operator never deletes.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# Read-only, one object at a time: the config.json an LLMService names in spec.model.configMap.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get"]
 # Tell people what happened (remediations, rejected specs) as Events on the LLMService;
 # patch lets repeated events be counted instead of duplicated. Both Event APIs, because
 # kopf posts core/v1 Events and events.k8s.io/v1 is the API new clients use.

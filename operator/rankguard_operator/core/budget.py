@@ -18,10 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from rankguard_operator.core.checkpoint_weights import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.headroom import Observation, gpu_totals
-from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.kv_model import default_block_size
+from rankguard_operator.core.memory_model import act_bytes, pp_layer_partition
+from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model_source import ModelResolution
 from rankguard_operator.core.planner import (
-    DEFAULT_BLOCK_SIZE,
     Plan,
     PlanError,
     PlanInput,
@@ -60,7 +63,13 @@ def gpu_memory_bytes(spec: ServiceSpec, measured: Sequence[RankMeasurement] = ()
 
 
 def plan_input(
-    spec: ServiceSpec, shape: ModelShape, gpu_bytes: int, measured: Sequence[RankMeasurement] = ()
+    spec: ServiceSpec,
+    shape: ModelShape,
+    gpu_bytes: int,
+    measured: Sequence[RankMeasurement] = (),
+    *,
+    checkpoint: Any = None,
+    measured_only: bool = False,
 ) -> PlanInput:
     e = spec.engine
     usable = _usable(measured, spec.world_size)
@@ -79,7 +88,7 @@ def plan_input(
         pp=spec.pp,
         dtype=e.dtype,
         kv_cache_dtype=e.kv_cache_dtype,
-        block_size=e.block_size or DEFAULT_BLOCK_SIZE,
+        block_size=e.block_size or default_block_size(shape),
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len,
@@ -87,7 +96,29 @@ def plan_input(
         safety_margin_bytes=spec.memory.safety_margin_bytes,
         enforce_eager=e.enforce_eager,
         measured=usable,
+        quantization=spec.model.quantization,
+        checkpoint_weights=_checkpoint_weights(spec, shape, checkpoint),
+        measured_only=measured_only,
     )
+
+
+def _checkpoint_weights(spec: ServiceSpec, shape: ModelShape, checkpoint: Any) -> tuple[int, ...] | None:
+    """Per-rank weight bytes from the checkpoint's headers, when the agent read them and they
+    fit the model; None (config.json arithmetic) otherwise."""
+    if checkpoint is None:
+        return None
+    try:
+        return checkpoint_rank_weights(
+            checkpoint,
+            shape,
+            tp=spec.tp,
+            pp=spec.pp,
+            stages=pp_layer_partition(shape.num_layers, spec.pp),
+            act=act_bytes(spec.engine.dtype),
+            runtime_fp8=spec.model.quantization == "fp8",
+        )
+    except (CheckpointError, PlanError):
+        return None
 
 
 def initial_plan(
@@ -96,18 +127,36 @@ def initial_plan(
     measured: Sequence[RankMeasurement] = (),
     shape: ModelShape | None = None,
     hf_config: Mapping[str, Any] | None = None,
+    model: ModelResolution | None = None,
 ) -> Plan | None:
     """The planner's budget for this spec: from priors, with probe figures / measured totals
-    replacing them rank by rank when given. None while one GPU's size is unknown (no
-    spec.memory.gpuMemoryBytes and nothing measured yet). Raises SpecError when the spec
-    cannot be planned (unknown model, TP that does not divide the heads, ...)."""
+    replacing them rank by rank when given. `model` says where the shape came from (the
+    reconcile step resolves it); without it the shape is `shape`, else the catalog/`hf_config`.
+    None while one GPU's size is unknown (no spec.memory.gpuMemoryBytes and nothing measured
+    yet), and for a measure-first model until every rank's engine report is in. Raises
+    SpecError when the spec cannot be planned (TP that does not divide the heads, ...)."""
+    checkpoint = None
+    measured_only = False
+    if model is not None:
+        if model.shape is None:
+            return None
+        shape, checkpoint, measured_only = model.shape, model.checkpoint, model.measure_first
     if shape is None:
         shape = resolve_shape(spec, hf_config)
-    gpu = gpu_memory_bytes(spec, _usable(measured, spec.world_size))
+    usable = _usable(measured, spec.world_size)
+    gpu = gpu_memory_bytes(spec, usable)
     if gpu is None:
         return None
+    if measured_only and not all(
+        m.engine_non_kv_bytes is not None or m.peak_non_kv_bytes is not None for m in usable
+    ):
+        return None
+    if measured_only and len(usable) < spec.world_size:
+        return None
     try:
-        return make_plan(plan_input(spec, shape, gpu, measured))
+        return make_plan(
+            plan_input(spec, shape, gpu, measured, checkpoint=checkpoint, measured_only=measured_only)
+        )
     except PlanError as exc:
         raise SpecError(f"spec cannot be planned: {exc}") from None
 
@@ -121,7 +170,7 @@ def block_unit(plan: Plan | None) -> int:
     """Bytes of one KV block on the rank whose blocks are largest: budgets are whole blocks."""
     if plan is None:
         return FALLBACK_UNIT_BYTES
-    return plan.inputs.block_size * plan.kv_bytes_per_token
+    return plan.block_bytes
 
 
 def round_down(n: int, unit: int) -> int:
@@ -176,7 +225,8 @@ def budget_key(spec: ServiceSpec) -> str:
             dict(spec.model.shape or {}),
             spec.model.config_map,
             spec.model.config_map_key,
-        ],
+        ]
+        + ([spec.model.quantization] if spec.model.quantization else []),
         "split": [spec.tp, spec.pp],
         "engine": [
             e.max_num_seqs,
@@ -239,13 +289,17 @@ def startup_utilization(
     return util
 
 
-def prior_plan(spec: ServiceSpec, learned_gpu_bytes: int | None = None) -> Plan | None:
+def prior_plan(
+    spec: ServiceSpec, learned_gpu_bytes: int | None = None, model: ModelResolution | None = None
+) -> Plan | None:
     """The plan from the spec and priors: what rendering sizes its start-up utilisation and
     probe from. One GPU's size is spec.memory.gpuMemoryBytes when set (an override), else the
     size the agents measured once and status keeps (`learned_gpu_bytes`), so nobody has to
     type their GPU's size. None while neither is known; raises SpecError when the spec cannot
     be planned."""
-    return initial_plan(_with_gpu(spec, learned_gpu_bytes))
+    if model is not None and model.measure_first:
+        return None  # nothing to plan from priors: the budget will come from measurement
+    return initial_plan(_with_gpu(spec, learned_gpu_bytes), model=model)
 
 
 def _with_gpu(spec: ServiceSpec, learned_gpu_bytes: int | None) -> ServiceSpec:
@@ -280,6 +334,7 @@ def measured_plan(
     hf_config: Mapping[str, Any] | None = None,
     learned_gpu_bytes: int | None = None,
     engine_non_kv: Mapping[int, int] | None = None,
+    model: ModelResolution | None = None,
 ) -> Plan | None:
     """The plan the policy decides with: the planner's budget for `spec`, with each fresh rank's
     measured total and probe figures (from `observation`) replacing the priors. None while one
@@ -290,4 +345,5 @@ def measured_plan(
         measured=gpu_totals(observation, engine_non_kv),
         shape=shape,
         hf_config=hf_config,
+        model=model,
     )

@@ -20,6 +20,7 @@ class Condition(str, Enum):
     REMEDIATING = "Remediating"
     BUDGET_PLANNED = "BudgetPlanned"
     ENGINE_RULES = "EngineRules"  # which recorded vLLM snapshot's rules apply (core/engine_status)
+    MODEL_RESOLVED = "ModelResolved"  # where the shape came from, or why measure-first (core/model_source)
 
 
 class Phase(str, Enum):

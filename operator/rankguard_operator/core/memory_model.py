@@ -1,7 +1,7 @@
 """The memory of one vLLM rank, piece by piece: the defaults rankguard renders, the priors
 used where nothing was measured (each with its source), and the building blocks the planner
-adds up (weights, logits, sampler, activations, context/NCCL, KV per token and per request,
-capacity for a budget). Sources: shared/reference/rank0-oom-article.txt ("the article") and
+adds up (weights via `weights`, logits, sampler, activations, context/NCCL; the KV cache is
+`kv_model`'s). Sources: shared/reference/rank0-oom-article.txt ("the article") and
 shared/reference/vllm-memory-facts.md ("the facts").
 
 Pure: no I/O, no clock.
@@ -9,13 +9,15 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from rankguard_operator import vllm_snapshots
-from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.quantization import UnknownQuantization, runtime_scheme
 from rankguard_operator.core.units import GiB, MiB
+from rankguard_operator.core.weights import rank_weight_bytes
 
 LogitsMode = Literal["gather", "all-gather"]
 LOGITS_MODES: tuple[str, ...] = ("gather", "all-gather")
@@ -59,19 +61,16 @@ PP_TERMINAL_COMM_PRIOR_BYTES = round(8.76 * GiB)
 CUDAGRAPH_PRIOR_BYTES = 1 * GiB
 # Forward-pass activations: the analytic working set (below) times this factor for the
 # caching allocator's rounding and the temporaries it ignores (rotary, norm outputs,
-# all-reduce staging). A rankguard prior; the profile run's measured peak replaces it.
-ACTIVATION_OVERHEAD_FACTOR = 2
+# all-reduce staging). A rankguard prior; the profile run's measured peak replaces it. 1.4
+# (was 2): H100 logs showed 1.10 GiB where 2 planned 1.56, and on the public logs of
+# docs/memory-model.md it keeps every in-scope budget within [90 %, 100 %] of what vLLM fit.
+ACTIVATION_OVERHEAD_FACTOR = 1.4
 # The sampler on a rank that holds full-vocab logits: "the sampler converts them to float32"
 # and profile_run includes "a dummy sampler run over max_num_seqs rows" (the facts). Beyond
 # the fp32 logits themselves, rankguard assumes two more fp32 vocab x batch working copies
 # (softmax probabilities and the sorted copy top-p/top-k need).
 SAMPLER_FP32_COPIES = 2
 LOGITS_BYTES_PER_VALUE = 4  # the article's table is "float32 logits"
-# VocabParallelEmbedding pads the vocabulary to a multiple of 64 before splitting it.
-VOCAB_PADDING = 64
-# Group-quantised weights (AWQ/GPTQ, <= 4 bits) carry a 16-bit scale and zero point per group
-# of 128 weights.
-QUANT_GROUP_SIZE = 128
 
 _ACT_DTYPE_BYTES = {
     "auto": 2,  # vLLM's "auto" serves fp32 checkpoints in 16-bit too
@@ -183,106 +182,6 @@ def pp_layer_partition(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def kv_bytes_per_token(
-    shape: ModelShape,
-    tp: int = 1,
-    kv_cache_dtype: str = "auto",
-    *,
-    dtype: str = "auto",
-    layers: int | None = None,
-) -> int:
-    """KV bytes one token takes on ONE rank: 2 (K and V) × kv_heads_per_rank × head_dim ×
-    kv dtype bytes × layers held by that rank (all layers unless `layers` says the PP stage's).
-    kv_heads_per_rank = max(1, kv_heads // tp): replicated when kv_heads < tp (the facts)."""
-    check_tp(shape, tp)
-    n_layers = shape.num_layers if layers is None else layers
-    return 2 * shape.kv_heads_per_rank(tp) * shape.head_dim * kv_dtype_bytes(kv_cache_dtype, dtype) * n_layers
-
-
-def stage_layers(shape: ModelShape, pp: int, partition: Sequence[int] | None) -> tuple[int, ...]:
-    if partition is None:
-        return pp_layer_partition(shape.num_layers, pp)
-    parts = tuple(partition)
-    if len(parts) != pp or any(p < 1 for p in parts) or sum(parts) != shape.num_layers:
-        raise PlanError(
-            f"pp_layer_partition {list(parts)} must list {pp} positive layer counts that sum to "
-            f"{shape.num_layers}"
-        )
-    return parts
-
-
-def blocks_per_request(max_model_len: int, block_size: int) -> int:
-    return -(-max_model_len // block_size)
-
-
-def min_budget_for_one_request(
-    shape: ModelShape,
-    tp: int,
-    kv_cache_dtype: str = "auto",
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    max_model_len: int | None = None,
-    *,
-    pp: int = 1,
-    dtype: str = "auto",
-    pp_layer_partition: Sequence[int] | None = None,
-) -> int:
-    """The smallest --kv-cache-memory-bytes with which every rank still holds the blocks of one
-    request at max_model_len plus the null block(s) the pool holds back (below it vLLM refuses
-    to start with its kv_too_small message). The operator's shrink floor."""
-    mml = resolve_max_model_len(shape, max_model_len)
-    stages = stage_layers(shape, pp, pp_layer_partition)
-    per_token = max(kv_bytes_per_token(shape, tp, kv_cache_dtype, dtype=dtype, layers=n) for n in stages)
-    return (blocks_per_request(mml, block_size) + NULL_BLOCKS) * block_size * per_token
-
-
-def capacity_for_budget(
-    shape: ModelShape,
-    tp: int,
-    budget_bytes: int,
-    *,
-    kv_cache_dtype: str = "auto",
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    max_model_len: int | None = None,
-    pp: int = 1,
-    dtype: str = "auto",
-    pp_layer_partition: Sequence[int] | None = None,
-) -> Capacity:
-    """Blocks, tokens and max concurrency at max_model_len that one per-GPU KV budget buys.
-
-    blocks = budget // page bytes // layers per rank, minimum over ranks (the engine core takes
-    the minimum, the facts); tokens = blocks × block_size (per replica, not × TP);
-    concurrency = blocks / ceil(max_model_len / block_size), as vLLM prints it."""
-    mml = resolve_max_model_len(shape, max_model_len)
-    stages = stage_layers(shape, pp, pp_layer_partition)
-    budget = max(0, budget_bytes)
-    blocks = min(
-        budget // (block_size * kv_bytes_per_token(shape, tp, kv_cache_dtype, dtype=dtype, layers=n))
-        for n in stages
-    )
-    return Capacity(
-        blocks=blocks,
-        tokens=blocks * block_size,
-        max_concurrency=blocks / blocks_per_request(mml, block_size),
-    )
-
-
-def resolve_max_model_len(shape: ModelShape, max_model_len: int | None) -> int:
-    mml = max_model_len if max_model_len is not None else shape.max_position_embeddings
-    if mml is None:
-        raise PlanError(
-            f"max_model_len is not given and the shape of {shape.name!r} has no max_position_embeddings; "
-            "pass --max-model-len (spec.engine.maxModelLen)"
-        )
-    if isinstance(mml, bool) or not isinstance(mml, int) or mml < 1:
-        raise PlanError(f"max_model_len must be a positive integer, got {mml!r}")
-    return mml
-
-
-def vocab_per_rank(shape: ModelShape, tp: int) -> int:
-    padded = -(-shape.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-    return -(-padded // tp)
-
-
 def weight_bytes(
     shape: ModelShape,
     tp: int,
@@ -290,51 +189,42 @@ def weight_bytes(
     pp_stage: int = 0,
     pp: int = 1,
     layers: int | None = None,
+    first_layer: int | None = None,
     dtype: str = "auto",
     weight_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> int:
-    """Weight bytes one rank of `pp_stage` holds.
-
-    Embedding (first stage) and untied LM head (last stage; under PP a tied head is a second
-    copy there) are vocab-parallel, split by TP; attention q/o and the gated MLP (each expert's,
-    for MoE) are split by TP; k/v keep max(1, kv_heads // tp) heads per rank; norms and the MoE
-    router are replicated. Quantisation applies to the blocks' linear layers only.
-    """
+    """Weight bytes one rank of `pp_stage` holds (module by module: `weights`). `layers` is the
+    stage's layer count (all layers by default), `first_layer` its first layer (default: as
+    vLLM's own split places it). `weight_dtype` other than auto sizes every Linear layer at
+    that width; `quantization` is vLLM's runtime --quantization on an unquantised checkpoint;
+    otherwise the checkpoint's own quantisation (config.json) applies."""
     check_tp(shape, tp)
-    b = act_bytes(dtype)
-    bits = weight_bits(shape, weight_dtype, dtype)
     n_layers = shape.num_layers if layers is None else layers
-    h, d = shape.hidden_size, shape.head_dim
-    q_heads = shape.num_heads // tp
-    kv_heads = shape.kv_heads_per_rank(tp)
-    inter = -(-shape.intermediate_size // tp)
-
-    linear = h * q_heads * d * 2 + h * kv_heads * d * 2  # q, o; k, v
-    if shape.is_moe:
-        linear += shape.num_experts * 3 * h * inter
-        linear += 3 * h * -(-shape.shared_expert_intermediate_size // tp)
-    else:
-        linear += 3 * h * inter
-    linear_bytes = -(-linear * bits // 8)
-    if bits <= 4:
-        linear_bytes += -(-linear // QUANT_GROUP_SIZE) * 2 * 2  # 16-bit scale + zero per group
-    replicated = 2 * h  # input and post-attention norms
-    if shape.is_moe:
-        replicated += h * shape.num_experts  # router
-    if shape.qkv_bias:
-        replicated += (q_heads + 2 * kv_heads) * d
-    per_layer = linear_bytes + replicated * b
-
-    total = n_layers * per_layer
-    vocab_rows = vocab_per_rank(shape, tp)
-    first, last = pp_stage == 0, pp_stage == pp - 1
-    if first:
-        total += vocab_rows * h * b
-    if last:
-        total += h * b  # final norm
-        if not shape.tie_word_embeddings or pp > 1:
-            total += vocab_rows * h * b
-    return total
+    if first_layer is None:
+        first_layer = sum(pp_layer_partition(shape.num_layers, pp)[:pp_stage]) if layers is not None else 0
+    quant = shape.quant
+    if quantization is not None and quant is None:
+        try:
+            quant = runtime_scheme(quantization)
+        except UnknownQuantization as exc:
+            raise PlanError(str(exc)) from None
+    uniform = None
+    if weight_dtype.lower() != "auto":
+        quant, uniform = None, weight_bits(shape, weight_dtype, dtype)
+    elif quant is None and shape.quant_bits is not None:
+        uniform = shape.quant_bits
+    return rank_weight_bytes(
+        shape,
+        tp,
+        range(first_layer, first_layer + n_layers),
+        first_stage=pp_stage == 0,
+        last_stage=pp_stage == pp - 1,
+        pp=pp,
+        act=act_bytes(dtype),
+        quant=quant,
+        uniform_bits=uniform,
+    )
 
 
 def logits_bytes(shape: ModelShape, tp: int, batch: int, mode: LogitsMode, *, tp_rank: int) -> int:
@@ -352,22 +242,29 @@ def logits_bytes(shape: ModelShape, tp: int, batch: int, mode: LogitsMode, *, tp
 
 def activation_bytes(shape: ModelShape, tp: int, tokens: int, dtype: str = "auto") -> int:
     """Forward-pass working set of one rank for the profile run's `tokens` (max_num_batched_tokens):
-    residual + hidden states, plus the larger of the attention phase (qkv and attention output)
-    and the MLP phase (gate_up and activation output; for MoE, for each routed token copy),
-    times ACTIVATION_OVERHEAD_FACTOR."""
+    residual + hidden states, plus the largest phase of any layer kind: attention (q, k, v and
+    the output; MLA's latent and its per-head expansion; a linear-attention layer's projections)
+    or the MLP (gate_up and activation output; for MoE, for each routed token copy plus the
+    shared expert), times ACTIVATION_OVERHEAD_FACTOR."""
     check_tp(shape, tp)
     b = act_bytes(dtype)
     h, d = shape.hidden_size, shape.head_dim
-    q_heads = shape.num_heads // tp
+    q_heads = -(-shape.num_heads // tp)
     kv_heads = shape.kv_heads_per_rank(tp)
-    inter = -(-shape.intermediate_size // tp)
-    attn = (q_heads + 2 * kv_heads) * d + q_heads * d
+    phases = [(q_heads + 2 * kv_heads) * d + q_heads * d]
+    if shape.mla is not None:
+        m = shape.mla
+        qd = m.qk_nope_head_dim + m.qk_rope_head_dim
+        phases.append(m.q_lora_rank + m.latent_dim + q_heads * (qd + m.qk_nope_head_dim + 2 * m.v_head_dim))
+    if shape.linear is not None:
+        lin = shape.linear
+        phases.append(-(-(2 * lin.conv_dim + lin.value_dim) // tp))
+    phases.append(3 * -(-shape.dense_width() // tp))
     if shape.is_moe:
+        inter = -(-shape.intermediate_size // tp)
         shared = -(-shape.shared_expert_intermediate_size // tp)
-        mlp = shape.experts_per_token * (3 * inter + h) + 3 * shared
-    else:
-        mlp = 3 * inter
-    return tokens * b * (2 * h + max(attn, mlp)) * ACTIVATION_OVERHEAD_FACTOR
+        phases.append(shape.experts_per_token * (3 * inter + h) + 3 * shared)
+    return math.ceil(tokens * b * (2 * h + max(phases)) * ACTIVATION_OVERHEAD_FACTOR)
 
 
 def context_prior_bytes(rank: int, tp: int, pp: int) -> int:

@@ -37,6 +37,8 @@ OWNED: dict[str, str | None] = {
     "dtype": "spec.engine.dtype",
     "kv_cache_dtype": "spec.engine.kvCacheDtype",
     "enforce_eager": "spec.engine.enforceEager",
+    # The weights' size depends on it: the planner must know (spec.model.quantization).
+    "quantization": "spec.model.quantization",
     # One pod is one data-parallel replica of tp×pp GPUs; more replicas are spec.replicas.
     "data_parallel_size": "spec.replicas",
     "host": None,

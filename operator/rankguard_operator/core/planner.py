@@ -1,7 +1,7 @@
 """The per-rank KV-cache budget planner. Pure functions over plain data: no I/O, no clock.
 
 (Over 400 lines because `make_plan` is one computation read top to bottom, rank by rank, with
-its input and output types beside it; the pieces it adds up live in `memory_model`.)
+its input and output types beside it; the pieces it adds up live in `memory_model`, `weights` and `kv_model`.)
 
 Why per rank: under tensor parallelism vLLM applies ONE KV budget to every rank (it takes the
 minimum of the workers' block counts, and `--kv-cache-memory-bytes` is one number "per GPU"),
@@ -46,6 +46,18 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rankguard_operator.core.kv_layout import KVLayout
+from rankguard_operator.core.kv_model import (
+    capacity_for_budget,
+    capacity_of,
+    kv_bytes_per_token,
+    layer_kv,
+    min_budget_for_one_request,
+    resolve_max_model_len,
+    stage_kv_layout,
+    stage_layers,
+    stage_range,
+)
 from rankguard_operator.core.memory_model import (
     ACTIVATION_OVERHEAD_FACTOR,
     CONTEXT_PRIOR_BYTES,
@@ -57,7 +69,6 @@ from rankguard_operator.core.memory_model import (
     LOGITS_BYTES_PER_VALUE,
     LOGITS_MODES,
     NCCL_PRIOR_BYTES,
-    NULL_BLOCKS,
     PP_TERMINAL_COMM_PRIOR_BYTES,
     SAMPLER_FP32_COPIES,
     Capacity,
@@ -65,21 +76,15 @@ from rankguard_operator.core.memory_model import (
     PlanError,
     act_bytes,
     activation_bytes,
-    blocks_per_request,
-    capacity_for_budget,
     check_tp,
     context_prior_bytes,
-    kv_bytes_per_token,
     kv_dtype_bytes,
     logits_bytes,
-    min_budget_for_one_request,
     pp_layer_partition,
-    resolve_max_model_len,
-    stage_layers,
     weight_bits,
     weight_bytes,
 )
-from rankguard_operator.core.models import ModelShape
+from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.units import format_bytes
 
 # The planner's public face: its own types and functions, and the memory model's pieces that
@@ -159,6 +164,13 @@ class PlanInput:
     enforce_eager: bool = False
     measured: tuple[RankMeasurement, ...] = ()
     pp_layer_partition: tuple[int, ...] | None = None  # as VLLM_PP_LAYER_PARTITION; None: vLLM's split
+    quantization: str | None = None  # vLLM --quantization on an unquantised checkpoint (e.g. fp8)
+    # Weight bytes per rank read from the checkpoint's own headers (`checkpoint_weights`),
+    # indexed by global rank; replaces the config.json arithmetic where given.
+    checkpoint_weights: tuple[int, ...] | None = None
+    # Measure-first (an architecture the priors cannot describe): every rank's non-KV figure
+    # comes from the engine's own report or an observed peak; nothing is estimated.
+    measured_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +193,7 @@ class RankPlan:
     kv_bytes_per_token: int
     blocks: int  # blocks this rank could cut from the planned budget
     headroom_bytes: int  # safe KV − planned budget: what this rank keeps free while serving
+    weights_source: str = "config"  # "config" (config.json arithmetic) | "checkpoint" (its headers)
 
     @property
     def runtime_non_kv_bytes(self) -> int:
@@ -195,6 +208,9 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     bottleneck_rank: int
     kv_bytes_per_token: int  # per rank (the largest, if PP stages differ)
+    block_bytes: (
+        int  # bytes of one KV block id on the rank whose blocks are largest: budgets are whole blocks
+    )
     kv_cache_memory_bytes: int
     gpu_memory_utilization: float
     utilization_kv_bytes: int  # what the equivalent utilisation would give the bottleneck
@@ -207,6 +223,12 @@ class Plan:
     skew_loss_tokens: int
     feasible: bool
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    layouts: tuple[KVLayout, ...] = ()  # each pipeline stage's KV pool, as vLLM groups it
+
+    def capacity(self, budget_bytes: int) -> Capacity:
+        """Blocks, tokens and max concurrency a per-GPU budget buys under this plan, as vLLM
+        prints them."""
+        return capacity_of(self.layouts, budget_bytes, self.max_model_len)
 
     def vllm_flags(self) -> list[str]:
         """The vLLM flags this plan is valid for, budget included."""
@@ -257,6 +279,7 @@ class Plan:
                     "layers": r.layers,
                     "total_bytes": r.total_bytes,
                     "weights_bytes": r.weights_bytes,
+                    "weights_source": r.weights_source,
                     "logits_bytes": r.logits_bytes,
                     "sampler_bytes": r.sampler_bytes,
                     "activation_bytes": r.activation_bytes,
@@ -274,6 +297,7 @@ class Plan:
             ],
             "bottleneck_rank": self.bottleneck_rank,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_bytes": self.block_bytes,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "kv_cache_memory": format_bytes(self.kv_cache_memory_bytes),
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -347,22 +371,49 @@ def make_plan(inp: PlanInput) -> Plan:
     measured = {m.rank: m for m in inp.measured}
     warnings: list[str] = []
 
+    ranges = [stage_range(stages, st) for st in range(pp)]
+    layouts = [
+        stage_kv_layout(
+            shape,
+            tp,
+            ranges[st],
+            kv_cache_dtype=inp.kv_cache_dtype,
+            dtype=inp.dtype,
+            block_size=inp.block_size,
+            max_num_batched_tokens=inp.max_num_batched_tokens,
+        )
+        for st in range(pp)
+    ]
+    kvb = kv_dtype_bytes(inp.kv_cache_dtype, inp.dtype)
+    per_token = [sum(layer_kv(shape, i, tp, kvb).bytes_per_token for i in ranges[st]) for st in range(pp)]
     act = activation_bytes(shape, tp, inp.max_num_batched_tokens, inp.dtype)
     graphs = 0 if inp.enforce_eager else CUDAGRAPH_PRIOR_BYTES
     drafts: list[RankPlan] = []
+    stage_weights: dict[int, int] = {}
     for rank in range(tp * pp):
         stage, tp_rank = divmod(rank, tp)
         m = measured.get(rank)
         total = m.total_bytes if m is not None and m.total_bytes is not None else inp.gpu_memory_bytes
-        weights = weight_bytes(
-            shape,
-            tp,
-            pp_stage=stage,
-            pp=pp,
-            layers=stages[stage],
-            dtype=inp.dtype,
-            weight_dtype=inp.weight_dtype,
-        )
+        if inp.checkpoint_weights is not None:
+            weights, weights_source = inp.checkpoint_weights[rank], "checkpoint"
+        elif stage in stage_weights:
+            weights, weights_source = stage_weights[stage], "config"  # every TP rank of a stage alike
+        else:
+            weights, weights_source = (
+                weight_bytes(
+                    shape,
+                    tp,
+                    pp_stage=stage,
+                    pp=pp,
+                    layers=stages[stage],
+                    first_layer=ranges[stage].start,
+                    dtype=inp.dtype,
+                    weight_dtype=inp.weight_dtype,
+                    quantization=inp.quantization,
+                ),
+                "config",
+            )
+            stage_weights[stage] = weights
         terminal = stage == pp - 1
         logits = (
             logits_bytes(shape, tp, inp.max_num_seqs, inp.logits_mode, tp_rank=tp_rank) if terminal else 0
@@ -378,6 +429,11 @@ def make_plan(inp: PlanInput) -> Plan:
         else:
             context, context_source = context_prior_bytes(rank, tp, pp), "prior"
         estimate = context + weights + logits + sampler + act + graphs
+        if inp.measured_only:
+            seen = [v for v in (m.engine_non_kv_bytes, m.peak_non_kv_bytes) if v is not None] if m else []
+            if not seen:
+                raise PlanError(f"rank {rank} has no measured non-KV figure; a measure-first plan needs one")
+            estimate = max(context, *seen)
         if m is not None and m.peak_non_kv_bytes is not None:
             # the observation includes context; never let the runtime part go below zero
             non_kv, non_kv_source = max(m.peak_non_kv_bytes, context), "measured-peak"
@@ -402,38 +458,28 @@ def make_plan(inp: PlanInput) -> Plan:
                 non_kv_bytes=non_kv,
                 non_kv_source=non_kv_source,
                 safe_kv_bytes=total - non_kv,
-                kv_bytes_per_token=kv_bytes_per_token(
-                    shape, tp, inp.kv_cache_dtype, dtype=inp.dtype, layers=stages[stage]
-                ),
+                kv_bytes_per_token=per_token[stage],
                 blocks=0,
                 headroom_bytes=0,
+                weights_source=weights_source,
             )
         )
 
     # ties go to the lowest rank, so an even split names rank 0, as vLLM's reports would
     bottleneck = min(drafts, key=lambda r: (r.safe_kv_bytes, r.rank))
-    block_unit = inp.block_size * max(r.kv_bytes_per_token for r in drafts)
+    block_unit = max(lay.bytes_per_block for lay in layouts)
     budget = max(0, (bottleneck.safe_kv_bytes - inp.safety_margin_bytes) // block_unit * block_unit)
     best = max(r.safe_kv_bytes for r in drafts)
     naive = max(0, (best - inp.safety_margin_bytes) // block_unit * block_unit)
 
-    ranks = tuple(_with_budget(r, budget, inp.block_size) for r in drafts)
+    ranks = tuple(
+        replace(r, blocks=layouts[r.pp_stage].blocks(budget), headroom_bytes=r.safe_kv_bytes - budget)
+        for r in drafts
+    )
 
-    def capacity(b: int) -> Capacity:
-        return capacity_for_budget(
-            shape,
-            tp,
-            b,
-            kv_cache_dtype=inp.kv_cache_dtype,
-            block_size=inp.block_size,
-            max_model_len=mml,
-            pp=pp,
-            dtype=inp.dtype,
-            pp_layer_partition=stages,
-        )
-
-    cap, naive_cap = capacity(budget), capacity(naive)
-    floor = (blocks_per_request(mml, inp.block_size) + NULL_BLOCKS) * block_unit  # + the null block
+    cap, naive_cap = capacity_of(layouts, budget, mml), capacity_of(layouts, naive, mml)
+    # one request at max_model_len plus the null block(s), on the stage that needs the most
+    floor = max(lay.min_budget_bytes(mml) for lay in layouts)
 
     # vLLM sizes KV as util × total − (what it measures: non-KV minus context), per rank, and
     # refuses to start when util × total exceeds free memory after init (the facts).
@@ -472,6 +518,7 @@ def make_plan(inp: PlanInput) -> Plan:
         ranks=ranks,
         bottleneck_rank=bottleneck.rank,
         kv_bytes_per_token=max(r.kv_bytes_per_token for r in ranks),
+        block_bytes=block_unit,
         kv_cache_memory_bytes=budget,
         gpu_memory_utilization=util,
         utilization_kv_bytes=util_kv,
@@ -484,12 +531,5 @@ def make_plan(inp: PlanInput) -> Plan:
         skew_loss_tokens=naive_cap.tokens - cap.tokens,
         feasible=feasible,
         warnings=tuple(warnings),
-    )
-
-
-def _with_budget(r: RankPlan, budget: int, block_size: int) -> RankPlan:
-    return replace(
-        r,
-        blocks=budget // (block_size * r.kv_bytes_per_token),
-        headroom_bytes=r.safe_kv_bytes - budget,
+        layouts=tuple(layouts),
     )

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rankguard_agent.report import Report
-from rankguard_operator.core import observe, policy, render, status
+from rankguard_operator.core import model_source, observe, policy, render, status
 from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
@@ -47,6 +47,7 @@ from rankguard_operator.core.engine_status import engine_status, engine_view, wi
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.history import history_from_status
+from rankguard_operator.core.model_source import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
@@ -107,6 +108,7 @@ class World:
     deployment: Mapping[str, Any] | None = None
     pods: Sequence[Mapping[str, Any]] = ()
     reports: Sequence[ReportInput] = ()
+    model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
 
 
 @dataclass(frozen=True)
@@ -193,19 +195,27 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     """One pass: finish a pending remediation, observe, decide, act, report."""
     try:
         spec = parse_spec(world.spec)
-        prior = prior_plan(spec, state.gpu_memory_bytes)
+        model = model_source.resolve(spec, world.model_config, state.learned_model)
+        prior = prior_plan(spec, state.gpu_memory_bytes, model)
     except SpecError as e:
         return invalid_spec(state, world, str(e))
-    return _Pass(state, world, settings, spec, prior).run()
+    return _Pass(state, world, settings, spec, prior, model).run()
 
 
 class _Pass:
     """The working variables of one step, so the step reads top to bottom as the loop does."""
 
-    def __init__(
-        self, state: ServiceState, world: World, settings: Settings, spec: ServiceSpec, prior: Plan | None
+    def __init__(  # noqa: PLR0917 - the step's inputs, as `step` has them
+        self,
+        state: ServiceState,
+        world: World,
+        settings: Settings,
+        spec: ServiceSpec,
+        prior: Plan | None,
+        model: model_source.ModelResolution,
     ) -> None:
         self.state, self.world, self.settings, self.spec, self.prior = state, world, settings, spec, prior
+        self.model, self.learned = model, state.learned_model
         self.effects: list[Effect] = []
         self.deployment = world.deployment
         self.current = state.serving_flags
@@ -232,6 +242,25 @@ class _Pass:
             revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
             startup_free_bytes=self.startup_free,
         )
+
+    def learn_model(self, reports: Sequence[ReportInput]) -> None:
+        """Take what the current pods' agents read of the model (config.json, checkpoint headers)
+        when it differs from what status keeps, and resolve the model again with it."""
+        for _, report, _ in reports:
+            found = report.model
+            if found is None:
+                continue
+            learned = model_source.learned_from_report(
+                found.config,
+                found.checkpoint.to_doc() if found.checkpoint is not None else None,
+                self.spec.model.name,
+            )
+            if learned is None or learned == self.learned:
+                continue
+            self.learned = learned
+            self.model = model_source.resolve(self.spec, self.world.model_config, learned)
+            self.prior = prior_plan(self.spec, self.state.gpu_memory_bytes, self.model)
+            return
 
     def apply(self, body: dict[str, Any], **kw: Any) -> None:
         self.effects.append(ApplyDeployment(body, **kw))
@@ -282,6 +311,7 @@ class _Pass:
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         try:
+            self.learn_model(reports)
             engine = engine_view(state, spec, observation, self.key, fresh_terms)
             self.startup_free = engine.startup_free_bytes
             gpu = state.gpu_memory_bytes
@@ -290,8 +320,14 @@ class _Pass:
                 # the GPU's size, measured: from now on the plans (start-up utilisation, probe
                 # sizes, the budget itself) stand on it even when the spec does not give it
                 gpu = self.updates["gpuMemoryBytes"] = learned
-                self.prior = prior_plan(spec, learned)
-            plan = measured_plan(spec, observation, learned_gpu_bytes=gpu, engine_non_kv=engine.non_kv)
+                self.prior = prior_plan(spec, learned, self.model)
+            plan = measured_plan(
+                spec, observation, learned_gpu_bytes=gpu, engine_non_kv=engine.non_kv, model=self.model
+            )
+            if self.model.measure_first and self.prior is None:
+                # no priors to render from: the plan from vLLM's own per-worker report stands in
+                # (kept in status.engine per budget key, so it does not move with live load)
+                self.prior = plan
         except SpecError as e:
             return invalid_spec(state, w, str(e))
         decision = policy.decide(
@@ -391,6 +427,17 @@ class _Pass:
         new_status["conditions"] = with_rules_condition(
             new_status["conditions"], engine, iso(w.now), w.generation
         )
+        new_status["conditions"] = set_condition(
+            new_status["conditions"],
+            Condition.MODEL_RESOLVED,
+            *self.model.condition(),
+            iso(w.now),
+            w.generation,
+        )
+        new_status["model"] = self.model.to_status(self.learned)
+        event = model_source.model_event(state.raw.get("model"), self.model)
+        if event is not None:
+            self.effects.append(PostEvent(*event, repeat=True))
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),

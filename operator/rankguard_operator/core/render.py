@@ -102,6 +102,8 @@ def vllm_args(
     ]
     if e.enforce_eager:
         args.append("--enforce-eager")
+    if spec.model.quantization is not None:
+        args += ["--quantization", spec.model.quantization]
     args += ["--host", "$(POD_IP)", "--port", str(VLLM_HTTP_PORT)]
     return args + list(e.extra_args)
 
@@ -126,7 +128,7 @@ def _probe_shape(spec: ServiceSpec, plan: Plan | None) -> ModelShape | None:
     try:
         return resolve_model(spec.model.name, spec.model.shape)
     except ModelError:
-        return None
+        return None  # not known before the pod runs: the agent's defaults apply
 
 
 def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:

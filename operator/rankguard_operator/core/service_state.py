@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.model_source import LearnedModel
 
 
 def _float(v: Any) -> float | None:
@@ -83,6 +84,7 @@ class ServiceState:
     startup_free_bytes: int | None = None
     service_applied: bool = False
     observed_generation: int | None = None
+    learned_model: LearnedModel | None = None  # status.model: what an agent read from the pod
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     def kept_engine(self, key: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
@@ -122,6 +124,7 @@ class ServiceState:
             startup_free_bytes=_positive_int(engine.get("startupFreeBytes")),
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
+            learned_model=LearnedModel.from_status(s.get("model")),
             raw=s,
         )
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.engine_rules import rules_for_image
-from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, ModelError, ModelShape, resolve_model
+from rankguard_operator.core.models import (
+    SHAPE_OVERRIDE_KEYS,
+    ModelError,
+    ModelShape,
+    UnknownModelError,
+    resolve_model,
+)
 from rankguard_operator.core.names import VLLM_HTTP_PORT
 from rankguard_operator.core.owned_flags import check_extra_args
 from rankguard_operator.core.planner import (
@@ -30,6 +36,7 @@ from rankguard_operator.core.planner import (
     DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_MODES,
 )
+from rankguard_operator.core.quantization import RUNTIME_QUANTIZATION
 from rankguard_operator.core.spec_fields import (
     SpecError,
     bool_field,
@@ -77,6 +84,7 @@ class ModelSpec:
     shape: Mapping[str, Any] | None = None  # camelCase override keys, as in the CRD
     config_map: str | None = None
     config_map_key: str = "config.json"
+    quantization: str | None = None  # vLLM --quantization on an unquantised checkpoint (fp8)
 
 
 @dataclass(frozen=True)
@@ -202,7 +210,14 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
             "give spec.model.shape or spec.model.configMap, not both: each fully describes the "
             "model's architecture"
         )
-    return ModelSpec(name=name, shape=shape, config_map=cm_name, config_map_key=cm_key)
+    quant = str_field(m, "quantization", "spec.model", None, max_len=32)
+    if quant is not None and quant not in RUNTIME_QUANTIZATION:
+        raise SpecError(
+            f"spec.model.quantization {quant!r} is not one of {', '.join(RUNTIME_QUANTIZATION)}: rankguard "
+            "sizes vLLM's runtime FP8 quantisation; a pre-quantised checkpoint says its own format in "
+            "config.json"
+        )
+    return ModelSpec(name=name, shape=shape, config_map=cm_name, config_map_key=cm_key, quantization=quant)
 
 
 def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
@@ -390,12 +405,17 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         )
     if model.config_map is None:
         # Known now (catalog or spec.model.shape): check it here, so a bad spec is reported once,
-        # clearly, instead of failing every plan. A ConfigMap's shape is checked when planning.
+        # clearly, instead of failing every plan. A model nobody knows yet is not an error: the
+        # agent reads its config.json from the pod (core/model_source), and a ConfigMap's shape
+        # is checked when it has been read.
         try:
-            shape = resolve_model(model.name, model.shape)
+            shape: ModelShape | None = resolve_model(model.name, model.shape)
+        except UnknownModelError:
+            shape = None
         except ModelError as exc:
             raise SpecError(f"spec.model: {exc}") from None
-        check_split(shape, tp, pp)
+        if shape is not None:
+            check_split(shape, tp, pp)
     memory = _parse_memory(spec)
     engine = _parse_engine(spec)
     # extraArgs are read the way the image's vLLM reads them (its recorded CLI: every flag,

@@ -19,7 +19,7 @@ from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.observe import RolloutState
-from rankguard_operator.core.planner import Plan, capacity_for_budget
+from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.render import vllm_args
 from rankguard_operator.core.spec import ServiceSpec
@@ -129,18 +129,7 @@ def budget_status(
         if plan is not None:
             kv = utilization_kv_bytes(plan, flags.gpu_memory_utilization)
     if plan is not None and kv is not None:
-        i = plan.inputs
-        cap = capacity_for_budget(
-            i.shape,
-            i.tp,
-            kv,
-            kv_cache_dtype=i.kv_cache_dtype,
-            block_size=i.block_size,
-            max_model_len=plan.max_model_len,
-            pp=i.pp,
-            dtype=i.dtype,
-            pp_layer_partition=i.pp_layer_partition,
-        )
+        cap = plan.capacity(kv)
         doc.update(blocks=cap.blocks, tokens=cap.tokens, maxConcurrency=round(cap.max_concurrency, 2))
     return doc
 

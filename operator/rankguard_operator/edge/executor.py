@@ -22,6 +22,7 @@ from typing import Any
 
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import ENGINE_RULES_FALLBACK, PASSES, RECONCILE_SECONDS, REMEDIATIONS
@@ -72,6 +73,7 @@ class ServiceExecutor:
         state = self._state(body)
         spec = dict(body.get("spec") or {})
         deployment = await k8s.get_deployment(self.namespace, self.name)
+        model_config = await self._model_config(spec)
         targets = [Target(*t) for t in reconcile.scrape_targets(spec, deployment, pods)]
         scraped = await self.scraper.scrape(targets)
         world = reconcile.World(
@@ -85,6 +87,7 @@ class ServiceExecutor:
             deployment=deployment,
             pods=pods,
             reports=[(s.pod, s.report, s.received_at) for s in scraped],
+            model_config=model_config,
         )
         step = reconcile.step(state, world, self.settings)
         rules = next(
@@ -101,6 +104,14 @@ class ServiceExecutor:
             return Phase.DEGRADED.value
         self._refused = None
         return step.phase
+
+    async def _model_config(self, spec: Mapping[str, Any]) -> ConfigRead | None:
+        """spec.model.configMap's config.json, read for this pass (None when the spec names none)."""
+        ref = (spec.get("model") or {}).get("configMap") if isinstance(spec.get("model"), Mapping) else None
+        if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str):
+            return None
+        name, key = ref["name"], str(ref.get("key") or "config.json")
+        return config_from_configmap(await k8s.get_configmap(self.namespace, name), name, key)
 
     async def execute(
         self, body: Mapping[str, Any], state: reconcile.ServiceState, step: reconcile.Step

@@ -17,7 +17,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -129,35 +129,40 @@ async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
     return dict(api().sanitize_for_serialization(result))
 
 
-async def get_deployment(namespace: str, name: str) -> dict[str, Any] | None:
-    def call() -> Any:
-        return client.AppsV1Api(api()).read_namespaced_deployment(name, namespace)
-
+async def _read(kind: str, name: str, call: Callable[[], Any]) -> dict[str, Any] | None:
+    """One object read off the event loop; None when it does not exist."""
     try:
-        d = await asyncio.to_thread(call)
+        obj = await asyncio.to_thread(call)
     except ApiException as e:
         if e.status == 404:
             return None
-        raise _temporary(e, f"reading Deployment {name}") from e
+        raise _temporary(e, f"reading {kind} {name}") from e
     except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"reading Deployment {name}") from e
-    return dict(api().sanitize_for_serialization(d))
+        raise _unreachable(e, f"reading {kind} {name}") from e
+    return dict(api().sanitize_for_serialization(obj))
+
+
+async def get_deployment(namespace: str, name: str) -> dict[str, Any] | None:
+    return await _read(
+        "Deployment", name, lambda: client.AppsV1Api(api()).read_namespaced_deployment(name, namespace)
+    )
+
+
+async def get_configmap(namespace: str, name: str) -> dict[str, Any] | None:
+    """A ConfigMap (spec.model.configMap), or None when it does not exist."""
+    return await _read(
+        "ConfigMap", name, lambda: client.CoreV1Api(api()).read_namespaced_config_map(name, namespace)
+    )
 
 
 async def get_llmservice(namespace: str, name: str) -> dict[str, Any] | None:
-    def call() -> Any:
-        return client.CustomObjectsApi(api()).get_namespaced_custom_object(
+    return await _read(
+        "LLMService",
+        name,
+        lambda: client.CustomObjectsApi(api()).get_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, name
-        )
-
-    try:
-        return dict(await asyncio.to_thread(call))
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise _temporary(e, f"reading LLMService {name}") from e
-    except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"reading LLMService {name}") from e
+        ),
+    )
 
 
 async def patch_status(namespace: str, name: str, status_patch: Mapping[str, Any]) -> str | None:
