@@ -13,6 +13,9 @@
 
 No test here needs a node: a Pod object is created (and admitted) without one. Every install
 carries a nodeSelector no node matches, so a node some other test registers never runs it.
+
+(Over 450 lines because every check shares one installed Helm and API server, and the table of
+install shapes and the documented permissions they must grant, kept in one place.)
 """
 
 from __future__ import annotations

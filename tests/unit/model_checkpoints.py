@@ -82,3 +82,42 @@ def write_model(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return total
+
+
+# A snapshot commit and another, for refs and revisions.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def hf_repo(cache: Path, repo_id: str, refs: dict[str, str], snapshots: list[str]) -> Path:
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    for ref, commit in refs.items():
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)  # huggingface_hub writes no newline
+    for commit in snapshots:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+    return repo
+
+
+def llama_tensors(layers: int, hidden: int = 64, kv: int = 16, inter: int = 128, vocab: int = 1000) -> Any:
+    t: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [vocab, hidden])}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = ("BF16", [hidden])
+        t[f"{p}.self_attn.q_proj.weight"] = ("BF16", [hidden, hidden])
+        t[f"{p}.self_attn.k_proj.weight"] = ("BF16", [kv, hidden])
+        t[f"{p}.self_attn.v_proj.weight"] = ("BF16", [kv, hidden])
+        t[f"{p}.self_attn.o_proj.weight"] = ("BF16", [hidden, hidden])
+        t[f"{p}.post_attention_layernorm.weight"] = ("BF16", [hidden])
+        t[f"{p}.mlp.gate_proj.weight"] = ("BF16", [inter, hidden])
+        t[f"{p}.mlp.up_proj.weight"] = ("BF16", [inter, hidden])
+        t[f"{p}.mlp.down_proj.weight"] = ("BF16", [hidden, inter])
+    t["model.norm.weight"] = ("BF16", [hidden])
+    t["lm_head.weight"] = ("BF16", [vocab, hidden])
+    return t
+
+
+def with_config(tmp_path: Path) -> Path:
+    """A model directory with a config.json and one tiny safetensors file."""
+    write_model(tmp_path, [{"model.norm.weight": ("BF16", [8])}])
+    return tmp_path

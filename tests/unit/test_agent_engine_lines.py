@@ -150,7 +150,7 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
             print(line, file=sys.stderr, flush=True)
         deadline = time.monotonic() + 120  # the test touches the go file, or kills this child
         while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # the poll interval of a wait bounded by the deadline
         """
     )
     proc = await start(launcher_cmd(tlog, [*child, "--tensor-parallel-size", "2"]), env)

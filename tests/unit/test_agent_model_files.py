@@ -1,124 +1,23 @@
-"""The agent's reader of the served model's files (`model_files`, `model_watch`): where vLLM's
-model lives, what its safetensors headers say per tensor role, the bounds, and the launched
-agent reporting what the fake vLLM downloaded."""
+"""The agent's reader of the served model's files (`model_files.read_model_files`): what the
+safetensors headers say per tensor role, quantised layouts, and the bounds on everything read."""
 
 from __future__ import annotations
 
 import json
-import os
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from launched import AGENT_ROOT, agent_port, launcher_cmd, report_when, start, stop
-from model_checkpoints import LLAMA3_8B_CONFIG, LLAMA3_8B_PARAMS, write_model
+from model_checkpoints import llama_tensors, with_config, write_model
 
 from rankguard_agent.model_files import (
-    ModelFiles,
-    download_complete,
-    hf_hub_cache,
-    model_dir,
     read_model_files,
     tensor_role,
 )
-from rankguard_agent.model_watch import ModelWatch
-from rankguard_agent.report import Report
 from rankguard_agent.report_model import LayerTally, ParamTally
-from rankguard_sim import fake_vllm, gpus
-from rankguard_sim.scenario_file import SCENARIO_ENV, builtin_dir
-
-REPO = Path(__file__).resolve().parents[2]
-SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-OTHER = "fedcba9876543210fedcba9876543210fedcba98"
-
 
 # -- where the model lives ----------------------------------------------------------------------
-
-
-def hf_repo(cache: Path, repo_id: str, refs: dict[str, str], snapshots: list[str]) -> Path:
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    for ref, commit in refs.items():
-        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)  # huggingface_hub writes no newline
-    for commit in snapshots:
-        (repo / "snapshots" / commit).mkdir(parents=True)
-    return repo
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["vllm", "serve", "{d}", "-tp", "2"],
-        ["vllm", "serve", "--model", "{d}"],
-        ["vllm", "serve", "--model={d}", "--port", "8000"],
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "{d}"],
-    ],
-)
-def test_a_local_directory_is_used_as_given(tmp_path: Path, argv: list[str]) -> None:
-    d = tmp_path / "llama"
-    d.mkdir()
-    assert model_dir([a.format(d=d) for a in argv], {}) == d
-    assert model_dir([a.format(d=tmp_path / "absent") for a in argv], {}) is None
-
-
-def test_a_repo_id_resolves_through_refs_main_in_each_cache_location(tmp_path: Path) -> None:
-    argv = ["vllm", "serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
-    for env, cache in [
-        ({"HF_HUB_CACHE": str(tmp_path / "a")}, tmp_path / "a"),
-        ({"HF_HOME": str(tmp_path / "b")}, tmp_path / "b" / "hub"),
-        ({"HOME": str(tmp_path / "c")}, tmp_path / "c" / ".cache" / "huggingface" / "hub"),
-        (
-            {"HOME": str(tmp_path / "c"), "XDG_CACHE_HOME": str(tmp_path / "d")},
-            tmp_path / "d" / "huggingface" / "hub",
-        ),
-        ({"HF_HUB_CACHE": str(tmp_path / "e"), "HF_HOME": str(tmp_path / "b")}, tmp_path / "e"),
-    ]:
-        assert hf_hub_cache(env) == cache
-        assert model_dir(argv, env) is None  # not downloaded yet
-        repo = hf_repo(cache, "meta-llama/Meta-Llama-3-8B-Instruct", {"main": COMMIT}, [COMMIT])
-        assert model_dir(argv, env) == repo / "snapshots" / COMMIT
-
-
-def test_revisions_and_the_download_dir(tmp_path: Path) -> None:
-    cache = tmp_path / "dl"
-    repo = hf_repo(cache, "Qwen/Qwen2-7B", {"main": COMMIT, "v2": OTHER, "pr/3": OTHER}, [COMMIT, OTHER])
-    base = ["vllm", "serve", "Qwen/Qwen2-7B"]
-    env = {"HOME": str(tmp_path / "home")}  # the default cache is empty: --download-dir wins
-    assert model_dir([*base, "--download-dir", str(cache)], env) == repo / "snapshots" / COMMIT
-    assert model_dir([*base, f"--download_dir={cache}"], env) == repo / "snapshots" / COMMIT
-    assert (
-        model_dir([*base, "--download-dir", str(cache), "--revision", "v2"], env)
-        == repo / "snapshots" / OTHER
-    )
-    assert (
-        model_dir([*base, "--download-dir", str(cache), "--revision=pr/3"], env) == repo / "snapshots" / OTHER
-    )
-    # A commit is its own snapshot: no ref is read.
-    assert (
-        model_dir([*base, "--download-dir", str(cache), "--revision", OTHER], env)
-        == repo / "snapshots" / OTHER
-    )
-    missing = "a" * 40
-    assert model_dir([*base, "--download-dir", str(cache), "--revision", missing], env) is None
-    assert model_dir([*base, "--download-dir", str(cache), "--revision", "nope"], env) is None
-    assert model_dir([*base], env) is None
-    (repo / "refs" / "main").write_text("not a commit")
-    assert model_dir([*base, "--download-dir", str(cache)], env) is None
-
-
-def test_a_command_without_a_model_or_with_a_strange_one_has_no_directory(tmp_path: Path) -> None:
-    env = {"HF_HUB_CACHE": str(tmp_path)}
-    assert model_dir(["vllm", "serve"], env) is None
-    assert model_dir(["vllm", "serve", "--port", "8000"], env) is None
-    assert model_dir(["python", "-c", "pass"], env) is None
-    assert model_dir(["vllm", "serve", "--model"], env) is None
-    assert model_dir(["vllm", "serve", "a/b/c"], env) is None
-    assert model_dir(["vllm", "serve", "./not-here"], env) is None
-    assert model_dir(["vllm", "serve", str(tmp_path / "weights.gguf")], env) is None
 
 
 # -- roles ------------------------------------------------------------------------------------
@@ -232,24 +131,6 @@ def test_tensor_roles_on_real_names(name: str, role: str, index: int | None) -> 
 
 
 # -- reading ----------------------------------------------------------------------------------
-
-
-def llama_tensors(layers: int, hidden: int = 64, kv: int = 16, inter: int = 128, vocab: int = 1000) -> Any:
-    t: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [vocab, hidden])}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        t[f"{p}.input_layernorm.weight"] = ("BF16", [hidden])
-        t[f"{p}.self_attn.q_proj.weight"] = ("BF16", [hidden, hidden])
-        t[f"{p}.self_attn.k_proj.weight"] = ("BF16", [kv, hidden])
-        t[f"{p}.self_attn.v_proj.weight"] = ("BF16", [kv, hidden])
-        t[f"{p}.self_attn.o_proj.weight"] = ("BF16", [hidden, hidden])
-        t[f"{p}.post_attention_layernorm.weight"] = ("BF16", [hidden])
-        t[f"{p}.mlp.gate_proj.weight"] = ("BF16", [inter, hidden])
-        t[f"{p}.mlp.up_proj.weight"] = ("BF16", [inter, hidden])
-        t[f"{p}.mlp.down_proj.weight"] = ("BF16", [hidden, inter])
-    t["model.norm.weight"] = ("BF16", [hidden])
-    t["lm_head.weight"] = ("BF16", [vocab, hidden])
-    return t
 
 
 def test_a_sharded_checkpoint_with_data_is_summed_per_role(tmp_path: Path) -> None:
@@ -371,11 +252,6 @@ def _raw(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def _with_config(tmp_path: Path) -> Path:
-    write_model(tmp_path, [{"model.norm.weight": ("BF16", [8])}])
-    return tmp_path
-
-
 @pytest.mark.parametrize(
     ("data", "why"),
     [
@@ -388,7 +264,7 @@ def _with_config(tmp_path: Path) -> Path:
     ],
 )
 def test_a_broken_safetensors_file_is_an_error(tmp_path: Path, data: bytes, why: str) -> None:
-    _raw(_with_config(tmp_path) / "model.safetensors", data)
+    _raw(with_config(tmp_path) / "model.safetensors", data)
     found = read_model_files(tmp_path)
     assert found.error is not None and why in found.error and "model.safetensors" in found.error
     assert found.checkpoint is None and found.config is None
@@ -406,7 +282,7 @@ def test_a_broken_safetensors_file_is_an_error(tmp_path: Path, data: bytes, why:
 )
 def test_a_bad_tensor_entry_is_an_error(tmp_path: Path, info: Any, why: str) -> None:
     raw = json.dumps({"model.norm.weight": info}).encode()
-    _raw(_with_config(tmp_path) / "model.safetensors", struct.pack("<Q", len(raw)) + raw)
+    _raw(with_config(tmp_path) / "model.safetensors", struct.pack("<Q", len(raw)) + raw)
     found = read_model_files(tmp_path)
     assert found.error is not None and why in found.error
 
@@ -423,7 +299,7 @@ def test_a_bad_tensor_entry_is_an_error(tmp_path: Path, info: Any, why: str) -> 
     ],
 )
 def test_a_bad_config_is_an_error(tmp_path: Path, config: bytes, why: str) -> None:
-    _with_config(tmp_path)
+    with_config(tmp_path)
     (tmp_path / "config.json").write_bytes(config)
     found = read_model_files(tmp_path)
     assert found.error is not None and why in found.error and found.config is None
@@ -431,7 +307,7 @@ def test_a_bad_config_is_an_error(tmp_path: Path, config: bytes, why: str) -> No
 
 def test_missing_and_unreadable_files_are_errors(tmp_path: Path) -> None:
     assert read_model_files(tmp_path / "absent").error is not None
-    d = _with_config(tmp_path / "dir-config")
+    d = with_config(tmp_path / "dir-config")
     (d / "config.json").unlink()
     (d / "config.json").mkdir()  # an OSError other than "missing" (the tests may run as root)
     found = read_model_files(d)
@@ -447,7 +323,7 @@ def test_no_safetensors_keeps_the_config_and_says_so(tmp_path: Path) -> None:
 
 
 def test_too_many_files_layers_or_dtypes_are_errors(tmp_path: Path) -> None:
-    many = _with_config(tmp_path / "files")
+    many = with_config(tmp_path / "files")
     for i in range(4097):
         (many / f"x-{i}.safetensors").touch()
     assert "more than 4096 .safetensors files" in (read_model_files(many).error or "")
@@ -462,139 +338,8 @@ def test_too_many_files_layers_or_dtypes_are_errors(tmp_path: Path) -> None:
 
     header = {f"w{i}": {"dtype": f"X{i}", "shape": [1], "data_offsets": [0, 1]} for i in range(33)}
     raw = json.dumps(header).encode()
-    _raw(_with_config(tmp_path / "dtypes") / "model.safetensors", struct.pack("<Q", len(raw)) + raw)
+    _raw(with_config(tmp_path / "dtypes") / "model.safetensors", struct.pack("<Q", len(raw)) + raw)
     assert "more than 32 dtypes" in (read_model_files(tmp_path / "dtypes").error or "")
-
-
-def test_download_complete_waits_for_every_indexed_shard(tmp_path: Path) -> None:
-    tensors = llama_tensors(1)
-    names = list(tensors)
-    write_model(tmp_path, [{n: tensors[n] for n in names[:5]}, {n: tensors[n] for n in names[5:]}])
-    second = tmp_path / "model-00002-of-00002.safetensors"
-    kept = second.read_bytes()
-    second.unlink()
-    assert not download_complete(tmp_path)
-    found = read_model_files(tmp_path)
-    assert found.error is None and not found.complete  # what is there is read, but it is partial
-    second.write_bytes(kept)
-    assert download_complete(tmp_path) and read_model_files(tmp_path).complete
-    (tmp_path / "config.json").unlink()
-    assert not download_complete(tmp_path)
-
-
-# -- the watch (one poll at a time: no timing) -----------------------------------------------------
-
-
-def test_the_watch_waits_for_the_download_then_reads_once(tmp_path: Path) -> None:
-    cache = tmp_path / "hub"
-    published: list[ModelFiles] = []
-    loaded = [False]
-    watch = ModelWatch(
-        ["vllm", "serve", "org/tiny"], {"HF_HUB_CACHE": str(cache)}, published.append, lambda: loaded[0]
-    )
-    assert watch.poll() is False and published == []  # nothing downloaded yet
-    repo = hf_repo(cache, "org/tiny", {"main": COMMIT}, [COMMIT])
-    snap = repo / "snapshots" / COMMIT
-    (snap / "config.json").write_text("{}")
-    assert watch.poll() is False and published == []  # config only: the weights are still coming
-    tensors = llama_tensors(1)
-    write_model(snap, [tensors])
-    assert watch.poll() is True
-    assert len(published) == 1 and published[0].error is None and published[0].complete
-
-
-def test_the_watch_gives_up_when_the_engine_loaded_from_elsewhere(tmp_path: Path) -> None:
-    published: list[ModelFiles] = []
-    loaded = [False]
-    watch = ModelWatch(
-        ["vllm", "serve", "s3://bucket/m"],
-        {"HF_HUB_CACHE": str(tmp_path)},
-        published.append,
-        lambda: loaded[0],
-    )
-    assert watch.poll() is False
-    loaded[0] = True
-    assert watch.poll() is True
-    assert [(f.path, f.error) for f in published] == [("s3://bucket/m", "the model's files were not found")]
-
-
-def test_the_watch_retries_a_failing_read_a_few_times(tmp_path: Path) -> None:
-    d = _with_config(tmp_path)
-    (d / "config.json").write_text("[]")
-    published: list[ModelFiles] = []
-    watch = ModelWatch(["vllm", "serve", str(d)], {}, published.append)
-    results = [watch.poll() for _ in range(5)]
-    assert results == [False, False, False, False, True]
-    assert all(f.error and "expected an object" in f.error for f in published)
-
-
-# -- the launched agent and the fake vLLM's download ------------------------------------------------
-
-
-async def test_the_launched_agent_reports_the_files_the_fake_vllm_downloaded(
-    sim_env: dict[str, str], tmp_path: Path
-) -> None:
-    doc = yaml.safe_load((builtin_dir() / "llama3-8b-tp2-24gb.yaml").read_text())
-    (tmp_path / "llama3-8b.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
-    doc["model_config"] = "llama3-8b.json"  # next to the scenario
-    scenario = tmp_path / "scenario.yaml"
-    scenario.write_text(yaml.safe_dump(doc))
-    root = tmp_path / "world-gpus"
-    uuids = gpus.create_gpus(root, 2, round(23.58 * (1 << 30)), seed="model-files")
-    home = tmp_path / "home"
-    env = dict(sim_env)
-    env.update(
-        {  # PATH: the shim runs `python3`, which must be this one (aiohttp)
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": os.pathsep.join([str(AGENT_ROOT), str(REPO / "sim")]),
-            "HOME": str(home),
-            gpus.GPU_ROOT_ENV: str(root),
-            gpus.VISIBLE_DEVICES_ENV: ",".join(uuids),
-            SCENARIO_ENV: str(scenario),
-            fake_vllm.TIME_SCALE_ENV: "50",
-            fake_vllm.PEAK_HOLD_ENV: "0.05",
-        }
-    )
-    env.pop("HF_HOME", None)
-    env.pop("HF_HUB_CACHE", None)
-    child = [
-        str(SHIM),
-        "serve",
-        "meta-llama/Meta-Llama-3-8B-Instruct",
-        "-tp",
-        "2",
-        "--gpu-memory-utilization",
-        "0.85",
-        "--port",
-        "0",
-    ]
-    proc = await start(launcher_cmd(tmp_path / "tl", child), env)
-    try:
-        port = await agent_port(proc, 30)
-
-        def read(r: Report) -> bool:
-            return r.model is not None and r.model.checkpoint is not None
-
-        report = await report_when(port, read, timeout=60)
-    finally:
-        await stop(proc)
-    model = report.model
-    assert model is not None and model.error is None, model
-    hub = home / ".cache" / "huggingface" / "hub" / "models--meta-llama--Meta-Llama-3-8B-Instruct"
-    commit = (hub / "refs" / "main").read_text()
-    assert model.path == str(hub / "snapshots" / commit)
-    assert model.config == LLAMA3_8B_CONFIG
-    ck = model.checkpoint
-    assert ck is not None
-    assert ck.total_bytes == ck.index_total_size == 2 * LLAMA3_8B_PARAMS == 16_060_522_496
-    assert ck.files == 4 and ck.bytes_by_dtype == {"BF16": 16_060_522_496}
-    assert ck.roles["embed"] == ck.roles["head"] == ParamTally(128256 * 4096, 0)
-    assert [layer.index for layer in ck.layers] == list(range(32))
-    assert ck.layers[0].kv == ParamTally(2 * 1024 * 4096, 0)
-    assert ck.layers[0].replicated == ParamTally(2 * 4096, 0)
-    assert report.dropped_fields == []
-    # Header-only: the "download" of a 16 GB checkpoint is a few kilobytes.
-    assert sum(f.stat().st_size for f in (hub / "blobs").iterdir()) < 1 << 20
 
 
 def test_a_modelopt_checkpoints_quantisation_travels_with_its_config(tmp_path: Path) -> None:

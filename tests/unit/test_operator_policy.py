@@ -1,7 +1,7 @@
 """The policy, rule by rule and guard rail by guard rail, with the budget bounds it relies on.
 
 Setting: Llama-3-70B, TP 4, 80 GiB GPUs, max_model_len 8192, container memory limit 64Gi. Its
-prior plan gives a 37.7 GiB per-GPU budget in KV blocks of 1.25 MiB (UNIT); one request at
+prior plan gives a 38 GiB per-GPU budget in KV blocks of 1.25 MiB (UNIT); one request at
 max_model_len needs 640 MiB, plus the block vLLM 0.33 holds back (the floor).
 
 (Over 450 lines because every rule and guard rail is tested against the same setting and the

@@ -147,12 +147,11 @@ def initial_plan(
     gpu = gpu_memory_bytes(spec, usable)
     if gpu is None:
         return None
-    if measured_only and not all(
-        m.engine_non_kv_bytes is not None or m.peak_non_kv_bytes is not None for m in usable
+    if measured_only and (
+        len(usable) < spec.world_size
+        or any(m.engine_non_kv_bytes is None and m.peak_non_kv_bytes is None for m in usable)
     ):
-        return None
-    if measured_only and len(usable) < spec.world_size:
-        return None
+        return None  # measure-first: every rank's own non-KV figure, or no plan yet
     try:
         return make_plan(
             plan_input(spec, shape, gpu, measured, checkpoint=checkpoint, measured_only=measured_only)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.quantization import UnknownQuantization, runtime_scheme
+from rankguard_operator.core.quantization import UnknownQuantization, runtime_scheme, uniform_scheme
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.core.weights import rank_weight_bytes
 
@@ -209,11 +209,10 @@ def weight_bytes(
             quant = runtime_scheme(quantization)
         except UnknownQuantization as exc:
             raise PlanError(str(exc)) from None
-    uniform = None
     if weight_dtype.lower() != "auto":
-        quant, uniform = None, weight_bits(shape, weight_dtype, dtype)
+        quant = uniform_scheme(weight_bits(shape, weight_dtype, dtype))
     elif quant is None and shape.quant_bits is not None:
-        uniform = shape.quant_bits
+        quant = uniform_scheme(shape.quant_bits)
     return rank_weight_bytes(
         shape,
         tp,
@@ -223,7 +222,6 @@ def weight_bytes(
         pp=pp,
         act=act_bytes(dtype),
         quant=quant,
-        uniform_bits=uniform,
     )
 
 

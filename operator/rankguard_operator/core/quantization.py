@@ -229,3 +229,11 @@ def runtime_scheme(method: str) -> QuantScheme:
     if method not in RUNTIME_QUANTIZATION:
         raise UnknownQuantization(f"runtime quantization {method!r} is not one of {RUNTIME_QUANTIZATION}")
     return QuantScheme(method, 8)
+
+
+def uniform_scheme(bits: int) -> QuantScheme:
+    """Every Linear layer at `bits` (vLLM's --weight-dtype-like override, or a shape's plain
+    quant_bits): 4 bits and under are group-quantised with a 16-bit scale and zero per 128."""
+    if bits <= 4:
+        return QuantScheme("uniform", bits, group_size=128, scale_bytes=2, zero_bytes=2)
+    return QuantScheme("uniform", bits)

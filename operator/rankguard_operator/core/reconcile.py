@@ -246,6 +246,9 @@ class _Pass:
     def learn_model(self, reports: Sequence[ReportInput]) -> None:
         """Take what the current pods' agents read of the model (config.json, checkpoint headers)
         when it differs from what status keeps, and resolve the model again with it."""
+        have = self.learned
+        if have is not None and have.name == self.spec.model.name and have.config and have.checkpoint:
+            return  # read once per model: the agent reads its files once, so nothing new comes
         for _, report, _ in reports:
             found = report.model
             if found is None:

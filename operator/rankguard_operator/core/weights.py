@@ -106,18 +106,10 @@ def layer_modules(shape: ModelShape, i: int, tp: int) -> list[Module]:
     return attention_modules(shape, i, tp) + mlp_modules(shape, i, tp) + [norms]
 
 
-def module_bytes(mod: Module, act: int, quant: QuantScheme | None, uniform_bits: int | None) -> int:
-    if not mod.linear:
+def module_bytes(mod: Module, act: int, quant: QuantScheme | None) -> int:
+    if not mod.linear or quant is None or quant.bits_for(mod.name) is None:
         return mod.params * act
-    if quant is not None:
-        bits = quant.bits_for(mod.name)
-        return quant.linear_bytes(mod.params) if bits is not None else mod.params * act
-    if uniform_bits is not None:
-        b = -(-mod.params * uniform_bits // 8)
-        if uniform_bits <= 4:
-            b += -(-mod.params // 128) * 2 * 2  # group-quantised: 16-bit scale + zero per 128
-        return b
-    return mod.params * act
+    return quant.linear_bytes(mod.params)
 
 
 def vocab_per_rank(shape: ModelShape, tp: int) -> int:
@@ -135,7 +127,6 @@ def rank_weight_bytes(
     pp: int,
     act: int,
     quant: QuantScheme | None,
-    uniform_bits: int | None,
 ) -> int:
     """Weight bytes of one rank holding `layer_range` (its pipeline stage's layers). The first
     stage holds the embedding and the vision tower, the last the final norm and the LM head
@@ -146,9 +137,7 @@ def rank_weight_bytes(
         # layers of the same kind cost the same: compute each kind once (126 layers x modules)
         key = (shape.layer_kind(i), shape.is_moe_layer(i), quant is not None and quant.ignore and i)
         if key not in per_layer:
-            per_layer[key] = sum(
-                module_bytes(m, act, quant, uniform_bits) for m in layer_modules(shape, i, tp)
-            )
+            per_layer[key] = sum(module_bytes(m, act, quant) for m in layer_modules(shape, i, tp))
         total += per_layer[key]
     rows = vocab_per_rank(shape, tp)
     if first_stage:
