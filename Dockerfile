@@ -5,11 +5,15 @@
 #
 # operator: the kopf operator (`python -m rankguard_operator`), configured by RANKGUARD_* env
 #           (the Helm chart sets them).
-# agent:    only the pure-Python agent bundle (rankguard_agent + pynvml from nvidia-ml-py) and
-#           `rankguard-agent-install DEST`, which copies it into DEST. The operator runs it as
-#           the init container of every serving pod, with an emptyDir at DEST; the vLLM
-#           container then runs `python3 -m rankguard_agent launch …` with PYTHONPATH=DEST,
-#           on the vLLM image's own Python (>= 3.10), aiohttp, prometheus_client and PyYAML.
+# agent:    only the pure-Python agent bundle (rankguard_agent, pynvml from nvidia-ml-py, and
+#           the entry file `rankguard-agent` at its root) and `rankguard-agent-install DEST`,
+#           which copies it into DEST. The operator runs it as the init container of every
+#           serving pod, with an emptyDir at DEST; the vLLM container then runs
+#           `python3 DEST/rankguard-agent launch … -- vllm serve …` on the vLLM image's own
+#           Python (>= 3.10), aiohttp, prometheus_client and PyYAML. No PYTHONPATH: Python puts
+#           the entry's folder first on sys.path, and the engine inherits nothing of the bundle.
+#           If the agent cannot start there, the entry (stdlib only, Python >= 3.8) runs the
+#           engine without it (docs/agent.md, "When the agent cannot start").
 #
 # Base images are pinned by full version tag here, so a rebuild picks up Debian security
 # fixes of that version. A release build pins by digest as well
@@ -37,7 +41,7 @@ RUN python -m venv /opt/rankguard/venv \
     && /opt/rankguard/venv/bin/pip install . \
     && /opt/rankguard/venv/bin/pip uninstall --yes pip
 
-# The agent bundle: what the serving pod needs on its PYTHONPATH and nothing else.
+# The agent bundle: what the serving pod's agent imports, its entry, and nothing else.
 # nvidia-ml-py's wheel also ships a top-level `example.py`; it is dropped so that nothing
 # named `example` shadows a module of the vLLM image. No .pyc: the bundle runs on whatever
 # Python the vLLM image has, and writes its own caches into the emptyDir.
@@ -47,6 +51,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 COPY agent/rankguard_agent/ /bundle/rankguard_agent/
+COPY agent/rankguard-agent /bundle/rankguard-agent
 RUN pip install --no-deps --no-compile --target /bundle "nvidia-ml-py==${NVIDIA_ML_PY_VERSION}" \
     && rm -f /bundle/example.py \
     && rm -rf /bundle/bin \

@@ -7,6 +7,11 @@ with the child's code (128 + N when a signal N killed it, as a shell would).
 
 Bad input never takes the engine down: oversized or non-UTF-8 lines are cut or replaced
 for scanning only, an unwritable stdout or termination log is logged once and ignored.
+
+The engine never sees the agent bundle: its folder is taken off the child's PYTHONPATH
+(`engine_env`), so the bundle's pynvml cannot shadow the image's own. `engine_started`
+tells the bundle's entry (`rankguard-agent`) whether a failure came before the engine
+existed, when it can still run the engine without the agent.
 """
 
 from __future__ import annotations
@@ -15,17 +20,17 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import errno
 import importlib.metadata
 import logging
 import os
 import re
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS, MAX_SCAN_LINE
+from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
 from rankguard_agent.model_files import ModelFiles
 from rankguard_agent.model_watch import ModelWatch
 from rankguard_agent.probe import ProbeConfig, run_probe
@@ -44,6 +49,7 @@ from rankguard_agent.recognisers import (
 from rankguard_agent.report import EngineMemory, ProbeResult
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
+from rankguard_agent.streams import LineScanner, Output, pump
 from rankguard_agent.termination import SIGNALED, TerminationMessage
 from rankguard_agent.verdict import termination_message
 from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
@@ -58,7 +64,33 @@ FORWARDED_SIGNALS = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
-_CHUNK = 64 * 1024
+
+# Set once this process has started an engine child. The bundle's entry reads it (through
+# sys.modules, never importing) after an exception: before the engine existed it runs the
+# engine itself, after it must not start a second one.
+engine_started = False
+
+
+def bundle_dir() -> str:
+    """The folder this package was imported from: the agent bundle's root in a serving pod."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def engine_env(env: Mapping[str, str], bundle: str) -> dict[str, str]:
+    """`env` for the engine child, without the agent bundle's folder on PYTHONPATH.
+
+    The bundle carries its own pynvml; on the engine's path it would shadow the image's
+    nvidia-ml-py. Every other entry stays, in order; PYTHONPATH goes when none is left.
+    """
+    out = dict(env)
+    value = out.pop("PYTHONPATH", None)
+    if value is None:
+        return out
+    target = os.path.realpath(bundle)
+    kept = [p for p in value.split(os.pathsep) if not p or os.path.realpath(p) != target]
+    if any(kept):
+        out["PYTHONPATH"] = os.pathsep.join(kept)
+    return out
 
 
 @dataclass(frozen=True)
@@ -68,66 +100,6 @@ class LaunchConfig:
     termination_log: str = DEFAULT_TERMINATION_LOG
     probe: ProbeConfig | None = None  # world_size 0: one rank per GPU the backend sees
     drain_seconds: float = DRAIN_SECONDS
-
-
-class LineScanner:
-    """Cuts a copy of a byte stream into text lines for the recognisers.
-
-    A line longer than `cap` bytes is cut to its first `cap` bytes (the figures rankguard
-    looks for sit at the start of a line); invalid UTF-8 becomes U+FFFD. Neither changes
-    what passes through, which never goes through this class.
-    """
-
-    def __init__(
-        self,
-        on_line: Callable[[str], None],
-        cap: int = MAX_SCAN_LINE,
-        name: str = "output",
-        on_cut: Callable[[str, int], None] | None = None,
-    ) -> None:
-        self.on_line = on_line
-        self.on_cut = on_cut
-        self.cap = cap
-        self.name = name
-        self.cut_lines = 0
-        self._buf = bytearray()
-        self._overflow = False
-
-    def feed(self, data: bytes) -> None:
-        start = 0
-        while True:
-            nl = data.find(b"\n", start)
-            if nl < 0:
-                self._append(data, start, len(data))
-                return
-            self._append(data, start, nl)
-            self._emit()
-            start = nl + 1
-
-    def close(self) -> None:
-        if self._buf or self._overflow:
-            self._emit()
-
-    def _append(self, data: bytes, start: int, end: int) -> None:
-        room = self.cap - len(self._buf)
-        if end - start > room:
-            self._overflow = True
-            end = start + max(room, 0)
-        if end > start:
-            self._buf += data[start:end]
-
-    def _emit(self) -> None:
-        line = self._buf.decode("utf-8", "replace").rstrip("\r")
-        self._buf = bytearray()
-        if self._overflow:
-            self._overflow = False
-            self.cut_lines += 1
-            if self.on_cut is not None:
-                self.on_cut(self.name, self.cap)
-        try:
-            self.on_line(line)
-        except Exception:  # a recogniser bug must not stop the stream
-            log.exception("%s: scanning a line failed", self.name)
 
 
 _ERROR_WORDS = re.compile(r"(?:Error|ERROR|error:|Exception|CUDA error)")
@@ -230,40 +202,6 @@ class Observer:
                 log.warning("engine ran out of GPU memory on GPU %s: %.200s", found.gpu_index, found.text)
             else:
                 log.warning("engine's KV cache is too small: %.200s", found.text)
-
-
-class _Output:
-    """Writes passthrough bytes to one of our own fds, surviving a closed or slow reader."""
-
-    def __init__(self, fd: int, name: str) -> None:
-        self.fd = fd
-        self.name = name
-        self.broken = False
-
-    async def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view and not self.broken:
-            try:
-                n = os.write(self.fd, view)
-            except BlockingIOError:
-                await asyncio.sleep(0.001)  # our stdout is non-blocking and full: wait a little
-                continue
-            except OSError as e:
-                self.broken = True
-                if e.errno != errno.EPIPE:
-                    log.error("cannot write the engine's %s (%s); still scanning it", self.name, e)
-                return
-            view = view[n:]
-
-
-async def _pump(stream: asyncio.StreamReader, out: _Output, scanner: LineScanner) -> None:
-    while True:
-        data = await stream.read(_CHUNK)
-        if not data:
-            break
-        await out.write(data)
-        scanner.feed(data)
-    scanner.close()
 
 
 async def _exit_of(child: asyncio.subprocess.Process, poll: float = 0.1) -> int:
@@ -374,6 +312,7 @@ class Launcher:
             await runtime.stop()
 
     async def _run_child(self, runtime: AgentRuntime) -> int:
+        global engine_started
         cmd = self.cfg.command
         try:
             # A session of its own: a terminal's Ctrl-C reaches the engine once (forwarded), not twice.
@@ -382,7 +321,7 @@ class Launcher:
                 stdin=None,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                env=self.env,
+                env=engine_env(self.env, bundle_dir()),
                 start_new_session=True,
             )
         except OSError as e:
@@ -393,6 +332,7 @@ class Launcher:
             )
             write_termination_log(self.cfg.termination_log, message)
             return code
+        engine_started = True
         log.info("engine started (pid %d): %.300s", child.pid, " ".join(cmd))
         state = runtime.state
 
@@ -409,8 +349,8 @@ class Launcher:
     async def _watch_child(self, child: asyncio.subprocess.Process, runtime: AgentRuntime) -> int:
         assert child.stdout is not None and child.stderr is not None
         pumps = [
-            asyncio.ensure_future(_pump(child.stdout, _Output(1, "stdout"), self._scanner("stdout"))),
-            asyncio.ensure_future(_pump(child.stderr, _Output(2, "stderr"), self._scanner("stderr"))),
+            asyncio.ensure_future(pump(child.stdout, Output(1, "stdout"), self._scanner("stdout"))),
+            asyncio.ensure_future(pump(child.stderr, Output(2, "stderr"), self._scanner("stderr"))),
         ]
         returncode = await _exit_of(child)
         # Grandchildren may hold the pipes open after the engine is gone; do not wait forever.

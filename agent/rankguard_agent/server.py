@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -206,6 +207,23 @@ def build_app(state: AgentState) -> web.Application:
     return app
 
 
+def dual_stack_socket(port: int) -> socket.socket:
+    """A listening socket on every IPv6 and IPv4 address (`::` with IPV6_V6ONLY off), as vLLM's
+    own server binds `--host ::`. asyncio would set IPV6_V6ONLY, and on a dual-stack cluster
+    whose pod IP is IPv4 the operator could then not reach the agent."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class AgentServer:
     """The running site; `port` is the bound one (useful with port 0)."""
 
@@ -219,8 +237,12 @@ class AgentServer:
     async def start(self) -> int:
         runner = web.AppRunner(build_app(self.state), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.requested_port)
+        site: web.BaseSite
         try:
+            if self.host == "::":
+                site = web.SockSite(runner, dual_stack_socket(self.requested_port))
+            else:
+                site = web.TCPSite(runner, self.host, self.requested_port)
             await site.start()
         except BaseException:
             await runner.cleanup()

@@ -40,6 +40,8 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     "kv_bytes_reserved": ("vllm", "memory for KV Cache as specified by kv_cache_memory_bytes"),
     "kv_too_small": ("vllm", "KV cache is needed, which is larger than the available KV cache memory"),
     "no_kv_memory": ("vllm", "No available memory for the cache blocks"),
+    # not recognised by the agent: the sandbox's fake vLLM prints it when it "downloads" weights
+    "weights_download_time": ("vllm", "Time spent downloading weights for"),
 }
 # PyTorch's allocator messages are C++ (c10/cuda); they are read from the shared libraries.
 LIB_MESSAGES: dict[str, tuple[str, str]] = {
@@ -51,6 +53,8 @@ LIB_MESSAGES: dict[str, tuple[str, str]] = {
 }
 # The source line that proves the block pool holds one block back (the "null block").
 NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
+# The download-time line is logged only above a threshold: `if time_taken > X:` around it.
+DOWNLOAD_LOG_SOURCE = "vllm/model_executor/model_loader/weight_utils.py"
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +240,37 @@ def library_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
 # Engine facts
 
 
+def download_log_threshold(site: Path) -> dict[str, Any]:
+    """The `if <seconds> > X:` that guards the weights-download log line: X and where it is."""
+    _, frag = PY_MESSAGES["weights_download_time"]
+    tree = ast.parse((site / DOWNLOAD_LOG_SOURCE).read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        test = node.test
+        if not (
+            isinstance(test, ast.Compare)
+            and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Gt)
+            and isinstance(test.comparators[0], ast.Constant)
+            and isinstance(test.comparators[0].value, (int, float))
+        ):
+            continue
+        logs = any(
+            isinstance(n, ast.Constant) and isinstance(n.value, str) and frag in n.value
+            for stmt in node.body
+            for n in ast.walk(stmt)
+        )
+        if logs:
+            found.append(
+                {"seconds": test.comparators[0].value, "line": node.lineno, "text": ast.unparse(test)}
+            )
+    if len(found) != 1:
+        sys.exit(f"snapshot: no single `if … > X:` guards {frag!r} in {DOWNLOAD_LOG_SOURCE}; re-read it")
+    return {"file": DOWNLOAD_LOG_SOURCE, **found[0]}
+
+
 def engine_facts(site: Path) -> dict[str, Any]:
     from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
 
@@ -249,6 +284,7 @@ def engine_facts(site: Path) -> dict[str, Any]:
         "kv_cache_dtypes": list(KV_CACHE_DTYPES),
         "null_blocks": 1,
         "null_block_source": {"file": rel, "line": where[0], "text": evidence},
+        "weights_download_log": download_log_threshold(site),
     }
 
 

@@ -184,7 +184,8 @@ def _add_run(sub: Any) -> None:
             "Run the rankguard operator against the cluster in KUBECONFIG (or in-cluster). "
             "Configuration is read from the environment: RANKGUARD_WATCH_NAMESPACES, "
             "RANKGUARD_AGENT_IMAGE, RANKGUARD_LIVENESS_HOST/PORT, RANKGUARD_METRICS_HOST/PORT, "
-            "RANKGUARD_SCRAPE_INTERVAL, RANKGUARD_STALE_AFTER, RANKGUARD_LOG_FORMAT (docs/install.md)."
+            "RANKGUARD_SCRAPE_INTERVAL, RANKGUARD_STALE_AFTER, RANKGUARD_AGENT_UNAVAILABLE_AFTER, "
+            "RANKGUARD_LOG_FORMAT (docs/install.md)."
         ),
     )
     p.set_defaults(func=_run_operator)

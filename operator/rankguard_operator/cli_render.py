@@ -98,7 +98,7 @@ def render_service(
         return [], [f"{ns}/{name}: {m}" for m in messages]
     objects: list[dict[str, Any]] = []
     for e in step.effects:
-        if isinstance(e, (reconcile.ApplyDeployment, reconcile.ApplyService)):
+        if isinstance(e, (reconcile.ApplyClaim, reconcile.ApplyDeployment, reconcile.ApplyService)):
             objects.append(dict(e.body))
     return objects, []
 

@@ -7,6 +7,11 @@ This is what envtest does for Go operators, plus the controllers (so Deployments
 ReplicaSets and Pods, and the scheduler really binds them). The binaries come from
 hack/testbin/build.sh. Every component runs in its own process group with a parent-death
 signal, so nothing outlives the process that started it, even after SIGKILL.
+
+Like a kind cluster it comes with storage: a default StorageClass `rankguard-sim-local` and
+a local-path provisioner thread in this process (provisioner.py) whose volumes are folders
+under `<workdir>/volumes`; the controller-manager's PV controller binds them to their claims.
+`ControlPlane.start(storage=False)` leaves both out.
 """
 
 from __future__ import annotations
@@ -27,9 +32,13 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .certs import Pki, make_pki
 from .testbin import testbin_dir
+
+if TYPE_CHECKING:
+    from .provisioner import LocalProvisioner
 
 K8S_VERSION = "v1.34.4"
 READY_TIMEOUT = 120.0  # a warm start takes a few seconds; a loaded 2-core CI box needs more
@@ -117,6 +126,12 @@ class ControlPlane:
     logs: Path
     components: list[Component] = field(default_factory=list)
     owns_workdir: bool = False
+    provisioner: LocalProvisioner | None = None
+
+    @property
+    def volumes_dir(self) -> Path:
+        """Where the sandbox's provisioner keeps the folders of its PersistentVolumes."""
+        return self.workdir / "volumes"
 
     @property
     def server(self) -> str:
@@ -133,7 +148,12 @@ class ControlPlane:
     # ------------------------------------------------------------------ start
     @classmethod
     def start(
-        cls, workdir: Path | None = None, timeout: float = READY_TIMEOUT, apiserver_port: int | None = None
+        cls,
+        workdir: Path | None = None,
+        timeout: float = READY_TIMEOUT,
+        apiserver_port: int | None = None,
+        *,
+        storage: bool = True,
     ) -> ControlPlane:
         bindir = testbin_dir()
         owns = workdir is None
@@ -153,10 +173,25 @@ class ControlPlane:
         )
         try:
             cp._start_all(timeout)
+            if storage:
+                cp._start_storage()
         except BaseException:
             cp.stop()
             raise
         return cp
+
+    def _start_storage(self) -> None:
+        from kubernetes import client  # noqa: PLC0415 - the client is only needed from here on
+
+        from .provisioner import LocalProvisioner  # noqa: PLC0415 - it imports the client
+
+        api = self.api_client()
+        assert isinstance(api, client.ApiClient)
+        try:
+            self.provisioner = LocalProvisioner(api, self.volumes_dir)
+            self.provisioner.start()
+        finally:
+            api.close()  # the provisioner made its own client from this one's configuration
 
     def _start_all(self, timeout: float) -> None:
         etcd_port, peer_port = free_port(), free_port()
@@ -396,6 +431,8 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
+        if self.provisioner is not None:
+            self.provisioner.stop()
         for c in reversed(self.components):
             c.stop()
         if self.owns_workdir:

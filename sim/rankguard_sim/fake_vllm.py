@@ -13,6 +13,23 @@ replays vLLM v1's start-up over the pod's simulated GPUs with `engine_memory.Eng
 CUDA OOM message for that GPU inside a traceback and exits 1. SIGTERM releases the GPUs and
 exits 0; every exit path releases the allocation files.
 
+A repo id whose scenario gives the model's config.json is "downloaded" into the Hugging Face
+cache (hf_download): config.json and the index at once (vLLM reads the config before the
+engine starts), the weight files while the workers load, at the scenario's
+`download.bytes_per_second` (default 1 GB/s) over the real checkpoint's size, scaled like the
+other phases; each worker then logs vLLM's "Time spent downloading weights for …" line when
+that took longer than vLLM's threshold (0.5 s). Files already in the cache (a model-cache
+volume) cost nothing and print nothing. `vllm_sandbox.weight_downloads(log)` reads those lines back.
+
+Not vLLM's: at start it imports `pynvml` the way the engine does (vLLM's torch imports it)
+and prints where it came from on one line prefixed `rankguard-sim:`
+(`vllm_sandbox.engine_pynvml(log)` reads it back), also on /metrics as
+`rankguard_sim_engine_pynvml_info{file, error}`.
+
+Network: with `--host` 0.0.0.0, ::, empty or absent and RANKGUARD_SIM_POD_IP set (the
+process kubelet sets it), the server binds the pod IP: the sandbox's stand-in for a pod's
+network namespace (docs/sim-world.md). An explicit address is bound as given.
+
 Environment knobs (the sandbox's, not vLLM's):
   RANKGUARD_SIM_SCENARIO         a built-in scenario name or a YAML path (default: the
                                  built-in matching the model and topology)
@@ -23,6 +40,7 @@ Environment knobs (the sandbox's, not vLLM's):
   RANKGUARD_SIM_FAIL_STARTUP     fail start-up with this message, exit 1 (a non-memory failure)
   RANKGUARD_SIM_HOST_MEMORY_FILE where to write {"pid", "rss_bytes", "peak_rss_bytes"} for the
                                  process kubelet's OOMKilled decision
+  RANKGUARD_SIM_POD_IP           the pod's IP, bound instead of a wildcard --host
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -49,7 +68,14 @@ from rankguard_sim import gpus
 from rankguard_sim.engine_config import EngineConfig, EngineConfigError
 from rankguard_sim.engine_failures import EngineFailure, GpuLost
 from rankguard_sim.engine_memory import EngineMemoryModel, KVPlan
-from rankguard_sim.hf_download import download, hf_hub_cache, is_repo_id
+from rankguard_sim.hf_download import (
+    CachedRepo,
+    CheckpointFile,
+    checkpoint,
+    hf_hub_cache,
+    is_repo_id,
+    prepare,
+)
 from rankguard_sim.scenario_data import Scenario, ScenarioError
 from rankguard_sim.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
 from rankguard_sim.vllm_args import VLLM_VERSION, config_from_args, non_default_args, parse_args
@@ -63,7 +89,13 @@ from rankguard_sim.vllm_console import (
 )
 from rankguard_sim.vllm_ledger import FileLedger, select_gpus
 from rankguard_sim.vllm_metrics import Metrics
-from rankguard_sim.vllm_snapshot import format_gib, message, where
+from rankguard_sim.vllm_sandbox import (
+    DOWNLOAD_MESSAGE,
+    ENGINE_PYNVML,
+    bind_address,
+    engine_pynvml_origin,
+)
+from rankguard_sim.vllm_snapshot import download_log_seconds, format_gib, message, where
 
 TIME_SCALE_ENV = "RANKGUARD_SIM_TIME_SCALE"
 PEAK_HOLD_ENV = "RANKGUARD_SIM_PEAK_HOLD_S"
@@ -164,6 +196,8 @@ class FakeVllm:
         self.model_name = (self.args.served_model_name or [self.args.model_tag])[0]
         self.metrics = Metrics(self.model_name)
         self.serving = False
+        self.repo: CachedRepo | None = None  # the model in the Hugging Face cache, when it has one
+        self.files: list[CheckpointFile] = []
 
     # -- pacing -------------------------------------------------------------------------------
 
@@ -185,6 +219,7 @@ class FakeVllm:
     async def start_engine(self) -> KVPlan:
         c, s, cfg = self.console, self.scenario, self.config
         started = time.monotonic()
+        self.fetch_config()
         c.info(
             "EngineCore_DP0",
             "core.py:140",
@@ -203,7 +238,7 @@ class FakeVllm:
         requested = self.engine.check_free_memory()
         for _, who in self.workers():
             c.info(who, "gpu_model_runner.py:4979", f"Starting to load model {self.args.model_tag}...")
-        self.download()
+        await self.download_weights()
         if s.host_memory is not None:
             self.host.report(s.host_memory.after_load_bytes)  # weights are staged in host memory
         load_started = time.monotonic()
@@ -270,14 +305,62 @@ class FakeVllm:
         self.metrics.set_cache_config(cfg, plan)
         return plan
 
-    def download(self) -> None:
-        """A repo id's files into the Hugging Face cache (vLLM downloads while it loads),
-        header-only, when the scenario gives the model's config.json (hf_download)."""
+    def fetch_config(self) -> None:
+        """A repo id's config.json and index into the Hugging Face cache (vLLM reads the config
+        before the engine starts), when the scenario gives the model's config.json."""
         config, tag = self.scenario.model_config, str(self.args.model_tag)
         if config is None or not is_repo_id(tag):
             return
         cache = Path(self.args.download_dir) if self.args.download_dir else hf_hub_cache(self.env)
-        download(cache, tag, config, self.args.revision)
+        self.repo = prepare(cache, tag, config, self.args.revision)
+        self.files = checkpoint(config)
+        for f in self.files:
+            if not f.weights:
+                self.repo.store(f)
+
+    async def download_weights(self) -> None:
+        """vLLM's download_weights_from_hf, in every worker: the weight files not in the cache
+        come in one by one, each `nbytes / download rate` (scaled) seconds under
+        huggingface_hub's lock for that file (a second process sharing the cache waits for it,
+        then finds it there). Each worker logs the time spent when it is over vLLM's threshold."""
+        repo = self.repo
+        if repo is None:
+            return
+        started = time.monotonic()
+        for f in self.files:
+            if f.weights and not repo.has(f.name):
+                await self.fetch(repo, f)
+        took = time.monotonic() - started
+        if took > download_log_seconds():
+            for _, who in self.workers():
+                self.console.info(
+                    who,
+                    where(DOWNLOAD_MESSAGE),
+                    message(DOWNLOAD_MESSAGE, str(self.args.model_tag), took),
+                )
+
+    async def fetch(self, repo: CachedRepo, f: CheckpointFile) -> None:
+        lock = repo.lock_path(f)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await self.pause(0.05, scaled=False)
+            if not repo.has(f.name):
+                await self.pause(self.scenario.download.seconds(f.nbytes))
+                repo.store(f)
+        finally:
+            os.close(fd)  # and with it the lock
+
+    def record_pynvml(self) -> None:
+        """Import pynvml as the engine does (vLLM's torch imports it) and say where it came from."""
+        file, error = engine_pynvml_origin()
+        self.console.plain(f"{ENGINE_PYNVML} {file}" if file else f"{ENGINE_PYNVML} not imported ({error})")
+        self.metrics.set_engine_pynvml(file, error)
 
     def print_memory_reports(self) -> None:
         """After graph capture, each worker's memory report and graph-pool line (utilisation only).
@@ -367,7 +450,7 @@ class FakeVllm:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         host = self.args.host or "0.0.0.0"
-        await web.TCPSite(runner, host, self.args.port).start()
+        await web.TCPSite(runner, bind_address(self.args.host, self.env), self.args.port).start()
         self.console.info(
             "APIServer", "api_server.py:1885", f"Starting vLLM API server 0 on http://{host}:{self.args.port}"
         )
@@ -438,6 +521,7 @@ class FakeVllm:
             loop.add_signal_handler(sig, self.stop.set)
         runner: web.AppRunner | None = None
         try:
+            self.record_pynvml()
             if self.scenario.host_memory is not None:
                 self.host.report(self.scenario.host_memory.baseline_bytes)
             try:

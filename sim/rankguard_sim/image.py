@@ -13,10 +13,16 @@ python3, python            this interpreter with `-S` and only the third-party s
                            Like a vLLM image it also has vLLM's distribution metadata:
                            `importlib.metadata.version("vllm")` is the snapshot's version
                            (a generated `vllm-<version>.dist-info`, no importable package).
+                           It runs the program through pod_python.py: the python command
+                           line (script, -m, -c, options) inside the pod's network namespace
+                           stand-in (a wildcard bind binds $RANKGUARD_SIM_POD_IP).
 vllm                       the fake vLLM (sim/rankguard_sim/bin/vllm), with the repo's sim/
                            folder prepended to PYTHONPATH so the shim finds rankguard_sim.
-rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguard_agent (and
-                           pynvml, when installed) into DEST, as the agent image's init step.
+rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguard_agent, the
+                           bundle's entry agent/rankguard-agent (to DEST/rankguard-agent) and
+                           pynvml, when installed, into DEST, as the agent image's init step.
+                           RANKGUARD_SIM_AGENT_BUNDLE=broken in its env leaves the package's
+                           server.py out (rankguard_sim.agent_install), a fault for tests.
 =========================  ==================================================================
 """
 
@@ -35,7 +41,9 @@ from .vllm_snapshot import version as vllm_version
 SIM_DIR = Path(__file__).resolve().parents[1]  # the repo's sim/ source root
 REPO = SIM_DIR.parent
 AGENT_PACKAGE = REPO / "agent" / "rankguard_agent"
+AGENT_ENTRY = REPO / "agent" / "rankguard-agent"  # `python3 <bundle>/rankguard-agent launch …`
 VLLM_SHIM = SIM_DIR / "rankguard_sim" / "bin" / "vllm"
+POD_PYTHON = SIM_DIR / "rankguard_sim" / "pod_python.py"
 
 # An image's ENTRYPOINT and CMD, used when a container gives no `command`.
 DEFAULT_ENTRYPOINTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -79,10 +87,14 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     q = shlex.quote
     dist = write_vllm_dist_info(folder / "vllm-dist")
     site_path = ":".join([str(dist), *third_party_paths()])
-    py = _script(
-        f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
-        f'exec {q(python)} -S "$@"\n'
-    )
+
+    def py(name: str) -> str:
+        standin = folder / name
+        return _script(
+            f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
+            f'exec {q(python)} -S {q(str(POD_PYTHON))} {q(str(standin))} {q(site_path)} "$@"\n'
+        )
+
     vllm = _script(
         f'PYTHONPATH={q(str(SIM_DIR))}"${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
         f'exec {q(python)} {q(str(VLLM_SHIM))} "$@"\n'
@@ -90,9 +102,16 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     nvml = pynvml_file()
     install = _script(
         f"PYTHONPATH={q(str(SIM_DIR))} exec {q(python)} -S -m rankguard_sim.agent_install "
-        f"--agent {q(str(AGENT_PACKAGE))}" + (f" --pynvml {q(nvml)}" if nvml else "") + ' "$@"\n'
+        f"--agent {q(str(AGENT_PACKAGE))} --entry {q(str(AGENT_ENTRY))}"
+        + (f" --pynvml {q(nvml)}" if nvml else "")
+        + ' "$@"\n'
     )
-    scripts = {"python3": py, "python": py, "vllm": vllm, "rankguard-agent-install": install}
+    scripts = {
+        "python3": py("python3"),
+        "python": py("python"),
+        "vllm": vllm,
+        "rankguard-agent-install": install,
+    }
     table: dict[str, str] = {}
     for name, text in scripts.items():
         path = folder / name

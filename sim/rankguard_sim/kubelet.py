@@ -27,11 +27,18 @@ Where the sandbox differs from a real node, and only here:
   likewise. The terminationMessagePath (default /dev/termination-log) is a per-container
   local file, and an argument or env value equal to it is rewritten too.
 * Network. Each pod gets its own loopback address 127.0.0.X (X from 2 to 254, reused
-  after deletion) as pod IP; containers must bind to it ($(POD_IP)) to be reachable
-  apart from other pods. The node's address is `address`.
+  after deletion) as pod IP, and every container RANKGUARD_SIM_POD_IP = that address: the
+  sandbox's stand-in for the pod's network namespace. A container may bind the pod IP
+  ($(POD_IP)) or a wildcard: the image's python (rankguard_sim.pod_python) and the fake
+  vLLM turn a bind to 0.0.0.0 ("", and :: on a dual-stack socket) into a bind to the pod
+  IP, so pods can listen on the same port apart, as in their own namespaces. IPv6-only
+  wildcards and other programs' binds are not rewritten; 127.0.0.1 is the host's, not the
+  pod's. The node's address is `address`.
 * GPUs. `nvidia.com/gpu` limits get simulated GPUs (NVIDIA_VISIBLE_DEVICES = their
   UUIDs in rank order, RANKGUARD_SIM_GPU_ROOT = gpu_root); before a container starts,
-  each of its GPUs gets the scenario's `comm_init_bytes` for that rank.
+  each of its GPUs gets the scenario's `comm_init_bytes` for that rank. With `mig`
+  (nodegpus.MigLayout) the node also offers MIG slices as `nvidia.com/mig-<profile>`,
+  handed out the same way; the Node carries GPU Feature Discovery's labels.
 * Host memory. Each container gets RANKGUARD_SIM_HOST_MEMORY_FILE; a process that
   writes {"pid": …, "rss_bytes": …} there is OOM-killed (SIGKILL to the whole
   container, reason OOMKilled, exit code 137) when rss_bytes exceeds the memory limit.
@@ -64,7 +71,7 @@ from kubernetes import client
 
 from . import gpus as simgpus
 from .image import build_image
-from .nodegpus import NodeGpus
+from .nodegpus import MigLayout, NodeGpus
 from .nodes import heartbeat, register_node
 from .podapi import PodApi, Throttled
 from .podmeta import TERMINAL_PHASES, meta_of
@@ -106,6 +113,7 @@ class ProcessKubelet:
         delete_node_on_stop: bool = False,
         ip_pool: IpPool | None = None,
         extra_env: Mapping[str, str] | None = None,
+        mig: MigLayout | None = None,
     ) -> None:
         self.node_name = node_name
         self.workdir = Path(workdir)
@@ -115,9 +123,9 @@ class ProcessKubelet:
         # The sandbox's own knobs for every container (e.g. RANKGUARD_SIM_TIME_SCALE); the
         # pod spec's env still wins, as it does over an image's ENV.
         self.extra_env = dict(extra_env or {})
-        # A world fault: the next N starts of a container with this name fail at start-up for
-        # a reason that has nothing to do with memory (say, a broken driver on the node).
-        self._start_faults: dict[str, list[str]] = {}
+        # World faults: env for the next N starts of a container with this name (say, a
+        # start-up failure that has nothing to do with memory, or a broken agent bundle).
+        self._start_faults: dict[str, list[dict[str, str]]] = {}
         self.address = address
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
@@ -128,7 +136,7 @@ class ProcessKubelet:
         self.grace_cap = grace_cap
         self.stop_grace = stop_grace
         self.delete_node_on_stop = delete_node_on_stop
-        self._gpus = NodeGpus(self.gpu_root, gpus, gpu_total_bytes, scenario)
+        self._gpus = NodeGpus(self.gpu_root, gpus, gpu_total_bytes, scenario, mig)
         self.image_bin = self.workdir / "image" / "bin"
         self._user_table = image_table
         self.image = ImageTable(commands={})
@@ -166,6 +174,7 @@ class ProcessKubelet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.image = self._build_image()
         self._gpus.create(seed=self.node_name)
+        self.allocatable.update(self._gpus.mig_resources())
         self._retry(
             "register node",
             lambda: register_node(
@@ -175,6 +184,8 @@ class ProcessKubelet:
                 memory=self.memory,
                 cpu=self.cpu,
                 address=self.address,
+                labels=self._gpus.node_labels(),
+                resources=self._gpus.mig_resources(),
             ),
         )
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch.run, "pod-watch")):
@@ -255,18 +266,22 @@ class ProcessKubelet:
                     return w
         return None
 
+    def inject_start_env(self, container: str, count: int, env: Mapping[str, str]) -> None:
+        """Give the next `count` starts of containers named `container` this env (over the
+        kubelet's own; the pod spec's still wins), e.g. RANKGUARD_SIM_AGENT_BUNDLE=broken
+        for the agent's init container."""
+        with self._lock:
+            self._start_faults.setdefault(container, []).extend(dict(env) for _ in range(count))
+
     def inject_start_faults(self, container: str, count: int, message: str) -> None:
         """Make the next `count` starts of containers named `container` fail at start-up."""
-        with self._lock:
-            self._start_faults.setdefault(container, []).extend([message] * count)
+        self.inject_start_env(container, count, {"RANKGUARD_SIM_FAIL_STARTUP": message})
 
     def take_start_fault(self, container: str) -> dict[str, str]:
         """Env for one container start: the fault to play, if one is queued for it."""
         with self._lock:
             queue = self._start_faults.get(container)
-            if not queue:
-                return {}
-            return {"RANKGUARD_SIM_FAIL_STARTUP": queue.pop(0)}
+            return queue.pop(0) if queue else {}
 
     def pod_pids(self, namespace: str, name: str) -> list[int]:
         w = self._worker(namespace, name)
@@ -307,6 +322,13 @@ class ProcessKubelet:
 
     def acquire_gpus(self, uid: str, count: int) -> list[str] | None:
         return self._gpus.acquire(uid, count)
+
+    def acquire_slices(self, uid: str, wanted: Mapping[str, int]) -> dict[str, list[str]] | None:
+        """MIG devices per `nvidia.com/mig-<profile>` resource (podworker.SliceNode)."""
+        return self._gpus.acquire_slices(uid, wanted)
+
+    def free_slices(self, resource: str) -> list[str]:
+        return self._gpus.free_slices(resource)
 
     def acquire_ip(self, uid: str) -> str:
         return self._ips.acquire(uid)

@@ -3,26 +3,92 @@
 The process kubelet owns one `NodeGpus`: it creates the node's devices (docs/sim-world.md,
 UUIDs seeded by the node name), gives each pod whole GPUs and takes them back, and sets
 the world's facts on them before a container starts (the scenario's communicator cost).
+
+MIG (optional, `MigLayout`): besides its whole GPUs a node may have MIG-enabled GPUs, each
+split into slices of given profiles, exposed as the device plugin's "mixed" strategy does:
+one extended resource per profile, `nvidia.com/mig-<profile>` (e.g. nvidia.com/mig-3g.40gb),
+whose devices are simulated GPUs of the slice's memory with "MIG-…" UUIDs. A container limit
+`nvidia.com/mig-3g.40gb: 1` gets one (`acquire_slices`). `node_labels()` are the labels
+NVIDIA GPU Feature Discovery puts on such a node (nodes.gfd_labels).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import gpus as simgpus
+from .nodes import gfd_labels
 from .scenario_data import Scenario
 from .scenario_file import load_scenario
 
 GIB = 1 << 30
 DEFAULT_GPU_TOTAL_BYTES = 80 * GIB
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+# NVML's profile names as the device plugin spells them: "<compute slices>g.<memory>gb", then
+# attributes ("+me" becomes ".me"): 1g.10gb, 3g.40gb, 1g.10gb.me, 1g.20gb …
+_PROFILE = re.compile(r"^(\d+)g\.(\d+)gb(?:\.[a-z0-9]+)*$")
+_SIMULATED = " (simulated)"
+
+
+def mig_resource(profile: str) -> str:
+    return MIG_RESOURCE_PREFIX + profile
+
+
+def profile_slices(profile: str) -> tuple[int, int]:
+    """(compute slices, nominal GB) of a MIG profile name, e.g. "3g.40gb" -> (3, 40)."""
+    m = _PROFILE.match(profile)
+    if m is None:
+        raise ValueError(f"{profile!r} is not a MIG profile name like 3g.40gb")
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass(frozen=True)
+class MigLayout:
+    """`gpus` MIG-enabled GPUs, each split into `profiles` (profile -> slices per GPU).
+
+    A slice's memory is `memory[profile]` bytes when given, else the profile's share of the
+    GPU: nominal GB over the card's nominal size (its total rounded to a multiple of 8 GiB),
+    e.g. 3g.40gb on a 79.14 GiB A100 80GB is 40/80 of it, 39.57 GiB.
+    """
+
+    gpus: int
+    profiles: Mapping[str, int]
+    memory: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0 or any(n < 0 for n in self.profiles.values()):
+            raise ValueError("a MIG layout's counts cannot be negative")
+        for profile in self.profiles:
+            profile_slices(profile)
+
+    def slice_bytes(self, profile: str, gpu_total_bytes: int) -> int:
+        if profile in self.memory:
+            return int(self.memory[profile])
+        _, nominal_gb = profile_slices(profile)
+        card_gib = max(8, round(gpu_total_bytes / GIB / 8) * 8)
+        return min(gpu_total_bytes, gpu_total_bytes * nominal_gb // card_gib)
+
+    def slices(self) -> dict[str, int]:
+        """Profile -> slices on the node."""
+        return {p: self.gpus * n for p, n in self.profiles.items() if self.gpus * n > 0}
 
 
 class NodeGpus:
     """The node's GPUs and which pod (by uid) holds each. Thread-safe."""
 
-    def __init__(self, root: Path, count: int, total_bytes: int | None, scenario: str | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        count: int,
+        total_bytes: int | None,
+        scenario: str | None,
+        mig: MigLayout | None = None,
+    ) -> None:
         self.root = root
         self.count = count
         self.scenario: Scenario | None = None
@@ -30,14 +96,49 @@ class NodeGpus:
         self.total_bytes = total_bytes or DEFAULT_GPU_TOTAL_BYTES
         if scenario:
             self.scenario = load_scenario(scenario)
-            self.name = f"{self.scenario.gpu.name} (simulated)"
+            self.name = f"{self.scenario.gpu.name}{_SIMULATED}"
             self.total_bytes = total_bytes or int(self.scenario.gpu.total_bytes)
+        self.mig = mig
         self.uuids: list[str] = []
+        self.slices: dict[str, list[str]] = {}  # resource -> MIG device UUIDs
         self._lock = threading.Lock()
         self._owner: dict[str, str] = {}  # uuid -> pod uid
 
+    @property
+    def model(self) -> str:
+        """The card's name as NVML reports it (what GPU Feature Discovery labels)."""
+        return self.name.removesuffix(_SIMULATED)
+
     def create(self, seed: str) -> None:
         self.uuids = simgpus.create_gpus(self.root, self.count, self.total_bytes, seed=seed, name=self.name)
+        self.slices = {}
+        if self.mig is None:
+            return
+        index = self.count
+        for profile, n in self.mig.slices().items():
+            nbytes = self.mig.slice_bytes(profile, self.total_bytes)
+            made = []
+            for _ in range(n):
+                uuid = "MIG-" + simgpus.gpu_uuid(f"{seed}/mig", index).removeprefix("GPU-")
+                name = f"{self.model} MIG {profile}{_SIMULATED}"
+                simgpus.write_device(self.root, simgpus.Device(uuid, index, name, nbytes))
+                made.append(uuid)
+                index += 1
+            self.slices[mig_resource(profile)] = made
+
+    def mig_resources(self) -> dict[str, str]:
+        """The node's MIG extended resources (capacity = allocatable): resource -> count."""
+        return {resource: str(len(uuids)) for resource, uuids in self.slices.items()}
+
+    def node_labels(self) -> dict[str, str]:
+        """GPU Feature Discovery's labels for this node (its "mixed" strategy with MIG)."""
+        mig = []
+        if self.mig is not None:
+            for profile, n in self.mig.slices().items():
+                gi, _ = profile_slices(profile)
+                mig.append((profile, n, self.mig.slice_bytes(profile, self.total_bytes), gi))
+        parents = self.mig.gpus if self.mig is not None else 0
+        return gfd_labels(self.model, self.total_bytes, self.count + parents, mig)
 
     def free(self) -> list[str]:
         with self._lock:
@@ -52,6 +153,24 @@ class NodeGpus:
             for u in got:
                 self._owner[u] = uid
             return got
+
+    def acquire_slices(self, uid: str, wanted: Mapping[str, int]) -> dict[str, list[str]] | None:
+        """MIG devices per resource for a pod (all or nothing); None when any is short."""
+        with self._lock:
+            got: dict[str, list[str]] = {}
+            for resource, count in wanted.items():
+                free = [u for u in self.slices.get(resource, []) if u not in self._owner]
+                if count > len(free):
+                    return None
+                got[resource] = free[:count]
+            for uuids in got.values():
+                for u in uuids:
+                    self._owner[u] = uid
+            return got
+
+    def free_slices(self, resource: str) -> list[str]:
+        with self._lock:
+            return [u for u in self.slices.get(resource, []) if u not in self._owner]
 
     def release(self, uid: str) -> None:
         """Give the pod's GPUs back; what its dead processes still hold there goes too."""

@@ -2,11 +2,16 @@
 
 Without these the node-lifecycle controller keeps the `node.kubernetes.io/not-ready`
 taint on the Node and the scheduler never binds a Pod to it.
+
+The node also carries what NVIDIA GPU Feature Discovery would label it with (`gfd_labels`)
+and, when it has MIG slices, their extended resources `nvidia.com/mig-<profile>`.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubernetes import client
@@ -20,9 +25,69 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def node_status(gpus: int, memory: str, cpu: str, address: str) -> dict[str, Any]:
+# ------------------------------------------------------------------------------ GPU Feature Discovery
+
+MIB = 1 << 20
+
+
+def label_value(text: str) -> str:
+    """A valid label value: GFD replaces spaces with "-"; anything else invalid goes too."""
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", text.replace(" ", "-"))
+    return value[:63].strip("-_.")
+
+
+def gfd_labels(
+    product: str,
+    memory_bytes: int,
+    count: int,
+    mig: Sequence[tuple[str, int, int, int]] = (),
+) -> dict[str, str]:
+    """The labels NVIDIA GPU Feature Discovery writes for a node's GPUs.
+
+    From NVIDIA/k8s-device-plugin (GFD lives there now): internal/lm/resource.go,
+    NewGPUResourceLabeler: `nvidia.com/gpu.product` (the NVML name, spaces replaced by "-"),
+    `nvidia.com/gpu.count`, `nvidia.com/gpu.replicas` (1 unless shared), and
+    `nvidia.com/gpu.memory` = NVML total memory / (1024 * 1024), i.e. MiB
+    (internal/resource/nvml-device.go, GetTotalMemoryMB); MIG under the "mixed" strategy
+    (internal/lm/mig-strategy.go): `nvidia.com/mig.strategy=mixed` and per profile, for the
+    resource `nvidia.com/mig-<profile>`: `.product` (`<product>-MIG-<profile>`), `.count`,
+    `.replicas`, and the MIG device's attributes (internal/resource/nvml-mig-device.go):
+    `.memory` (MemorySizeMB, MiB), `.slices.gi`, `.slices.ci`. Compute capability, family,
+    driver/CUDA versions, multiprocessors and engines are not simulated, so not labelled.
+
+    `mig`: (profile, slices on the node, bytes per slice, compute slices) per profile.
+    """
+    labels = {
+        "nvidia.com/gpu.product": label_value(product),
+        "nvidia.com/gpu.count": str(count),
+        "nvidia.com/gpu.replicas": "1",
+        "nvidia.com/gpu.memory": str(memory_bytes // MIB),
+    }
+    if mig:
+        labels["nvidia.com/mig.strategy"] = "mixed"
+    for profile, n, slice_bytes, gi in mig:
+        key = f"nvidia.com/mig-{profile}"
+        labels.update(
+            {
+                f"{key}.product": label_value(f"{product}-MIG-{profile}"),
+                f"{key}.count": str(n),
+                f"{key}.replicas": "1",
+                f"{key}.memory": str(slice_bytes // MIB),
+                f"{key}.slices.gi": str(gi),
+                f"{key}.slices.ci": str(gi),
+            }
+        )
+    return labels
+
+
+# ------------------------------------------------------------------------------ the Node
+
+
+def node_status(
+    gpus: int, memory: str, cpu: str, address: str, resources: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     now = _now().isoformat()
-    capacity = {"cpu": cpu, "memory": memory, "pods": "110", "nvidia.com/gpu": str(gpus)}
+    capacity = {"cpu": cpu, "memory": memory, "pods": "110", "nvidia.com/gpu": str(gpus), **(resources or {})}
     return {
         "capacity": capacity,
         "allocatable": dict(capacity),
@@ -75,29 +140,27 @@ def register_node(
     memory: str = "512Gi",
     cpu: str = "64",
     address: str = "127.0.0.1",
-    labels: dict[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    resources: Mapping[str, str] | None = None,
 ) -> None:
-    """Create (or take over) the Node and mark it Ready, then renew its Lease."""
+    """Create (or take over) the Node and mark it Ready, then renew its Lease. `labels` go on
+    the Node (GPU Feature Discovery's, say); `resources` are extended resources beyond
+    `nvidia.com/gpu` (MIG profiles), as capacity and allocatable."""
     core = client.CoreV1Api(api)
-    body = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "nvidia.com/gpu.present": "true",
-                **(labels or {}),
-            },
-        },
+    node_labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "nvidia.com/gpu.present": "true",
+        **(labels or {}),
     }
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": node_labels}}
     try:
         core.create_node(body)
     except ApiException as e:
         if e.status != 409:
             raise
-    core.patch_node_status(name, {"status": node_status(gpus, memory, cpu, address)})
+        core.patch_node(name, {"metadata": {"labels": node_labels}})  # taking over: today's labels
+    core.patch_node_status(name, {"status": node_status(gpus, memory, cpu, address, resources)})
     heartbeat(api, name)
 
 

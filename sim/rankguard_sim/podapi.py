@@ -1,4 +1,5 @@
-"""The process kubelet's API calls on behalf of its pods: status, deletion, volume sources.
+"""The process kubelet's API calls on behalf of its pods: status, deletion, volume sources
+(configMaps, secrets, service-account tokens, persistent volume claims and their volumes).
 
 Plain dicts in and out (`raw_call`), as everywhere in the sandbox; API trouble is logged
 through `Throttled`, one line per distinct message per interval.
@@ -112,6 +113,23 @@ class PodApi:
         if kind == "secret":
             data = {k: base64.b64decode(v).decode("utf-8", errors="replace") for k, v in data.items()}
         return data
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A PersistentVolumeClaim as a dict, or None when it does not exist."""
+        return self._read_or_none(self.core.read_namespaced_persistent_volume_claim, name, namespace)
+
+    def read_volume(self, name: str) -> dict[str, Any] | None:
+        """A PersistentVolume as a dict, or None when it does not exist."""
+        return self._read_or_none(self.core.read_persistent_volume, name)
+
+    @staticmethod
+    def _read_or_none(call: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+        try:
+            return raw_call(call, *args)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
 
     def lookup_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
         data = self.lookup_object(kind, namespace, name)

@@ -41,6 +41,9 @@ log = logging.getLogger("rankguard_sim.kubelet")
 
 HOST_MEMORY_ENV = "RANKGUARD_SIM_HOST_MEMORY_FILE"
 SCENARIO_ENV = "RANKGUARD_SIM_SCENARIO"
+# The pod's IP, for the sandbox's stand-in of its network namespace: a wildcard bind (0.0.0.0)
+# by the image's python (pod_python.py) or the fake vLLM binds this address instead.
+POD_IP_ENV = "RANKGUARD_SIM_POD_IP"
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -214,6 +217,7 @@ class PodContainers(threading.Thread):
         env.update(k.take_start_fault(slot.name))
         env[HOST_MEMORY_ENV] = str(memory_file)
         env.update({name: pm.env_value(value) for name, value in pod_env.items()})
+        env[POD_IP_ENV] = self.pod_ip  # the "network namespace": not the pod spec's to change
         working = slot.spec.get("workingDir")
         cwd = Path(pm.path(str(working))) if working else self.dir / "rootfs"
         if not cwd.is_dir():

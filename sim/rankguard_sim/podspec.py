@@ -24,6 +24,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 GPU_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # the device plugin's "mixed" strategy: one per profile
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 
 Pod = Mapping[str, Any]
@@ -102,21 +103,45 @@ def memory_limit_bytes(container: Container) -> int | None:
     return None if value is None else quantity_bytes(value)
 
 
-def gpu_count(container: Container) -> int:
-    """The container's `nvidia.com/gpu` limit (extended resources must have limit == request)."""
-    value = container_limit(container, GPU_RESOURCE)
+def device_count(container: Container, resource: str = GPU_RESOURCE) -> int:
+    """The container's limit of a device resource (extended resources have limit == request)."""
+    value = container_limit(container, resource)
     if value is None:
         requests = (container.get("resources") or {}).get("requests") or {}
-        value = requests.get(GPU_RESOURCE)
+        value = requests.get(resource)
     return 0 if value is None else int(quantity(value))
+
+
+def gpu_count(container: Container) -> int:
+    """The container's `nvidia.com/gpu` limit (extended resources must have limit == request)."""
+    return device_count(container, GPU_RESOURCE)
+
+
+def pod_device_count(pod: Pod, resource: str = GPU_RESOURCE) -> int:
+    """Devices the pod holds: like the scheduler's effective request, max(any init, sum of apps)."""
+    spec = pod.get("spec") or {}
+    init = [device_count(c, resource) for c in spec.get("initContainers") or []]
+    apps = sum(device_count(c, resource) for c in spec.get("containers") or [])
+    return max([apps, *init])
 
 
 def pod_gpu_count(pod: Pod) -> int:
     """GPUs the pod holds: like the scheduler's effective request, max(any init, sum of apps)."""
+    return pod_device_count(pod, GPU_RESOURCE)
+
+
+def pod_mig_counts(pod: Pod) -> dict[str, int]:
+    """MIG slices the pod holds, per `nvidia.com/mig-<profile>` resource (none: {})."""
     spec = pod.get("spec") or {}
-    init = [gpu_count(c) for c in spec.get("initContainers") or []]
-    apps = sum(gpu_count(c) for c in spec.get("containers") or [])
-    return max([apps, *init])
+    names = {
+        str(name)
+        for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        for kind in ("limits", "requests")
+        for name in ((c.get("resources") or {}).get(kind) or {})
+        if str(name).startswith(MIG_RESOURCE_PREFIX)
+    }
+    counts = {name: pod_device_count(pod, name) for name in sorted(names)}
+    return {name: n for name, n in counts.items() if n > 0}
 
 
 # ------------------------------------------------------------------------------ environment

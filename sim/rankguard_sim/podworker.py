@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kubernetes.client.rest import ApiException
 
@@ -24,14 +24,32 @@ from .podcontainers import ContainerSlot, PodContainers
 from .podmeta import TERMINAL_PHASES, spec_of
 from .podnode import PodNode
 from .podproc import Exit
-from .podspec import GPU_RESOURCE, SpecError, gpu_count, pod_gpu_count, resolve_executable
+from .podspec import (
+    GPU_RESOURCE,
+    SpecError,
+    device_count,
+    gpu_count,
+    pod_gpu_count,
+    pod_mig_counts,
+    resolve_executable,
+)
 from .podstatus import KUBELET_CONDITIONS, pod_phase, pod_status
-from .podvolumes import volume_files
+from .podvolumes import claim_path, claim_volume_name, volume_files
 from .probes import ProbeSpec, check_http, check_tcp
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
 TICK_SECONDS = 0.1
+VOLUME_RETRY_SECONDS = 0.5
+
+
+@runtime_checkable
+class SliceNode(Protocol):
+    """A node that also hands out MIG slices (the process kubelet, when it has a MigLayout)."""
+
+    def acquire_slices(self, uid: str, wanted: Mapping[str, int]) -> dict[str, list[str]] | None: ...
+
+    def free_slices(self, resource: str) -> list[str]: ...
 
 
 class PodWorker(PodContainers):
@@ -43,6 +61,7 @@ class PodWorker(PodContainers):
         self._status_retry_at = 0.0
         self._status_backoff = 0.0
         self._admission_error: tuple[str, str] | None = None
+        self._volumes_retry_at = 0.0
         self.released = False
 
     # -- the loop -------------------------------------------------------------------------
@@ -90,6 +109,8 @@ class PodWorker(PodContainers):
             n = gpu_count(slot.spec)
             slot.gpus = got[offset : offset + n]
             offset += n
+        if not self._admit_slices():
+            return
         try:
             self.pod_ip = k.acquire_ip(self.uid)
         except SpecError as e:
@@ -98,6 +119,37 @@ class PodWorker(PodContainers):
         for sub in ("volumes", "home", "rootfs", "containers"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         log.info("pod %s: admitted with IP %s and %d GPU(s)", self.key, self.pod_ip, len(got))
+
+    def _admit_slices(self) -> bool:
+        """MIG slices per `nvidia.com/mig-<profile>` limit, after the container's whole GPUs."""
+        wanted = pod_mig_counts(self.pod)
+        if not wanted:
+            return True
+        k = self.kubelet
+        got = k.acquire_slices(self.uid, wanted) if isinstance(k, SliceNode) else None
+        if got is None:
+            short = next(
+                (r for r, n in wanted.items() if not isinstance(k, SliceNode) or n > len(k.free_slices(r))),
+                next(iter(wanted)),
+            )
+            free = len(k.free_slices(short)) if isinstance(k, SliceNode) else 0
+            self._admission_error = (
+                "UnexpectedAdmissionError",
+                f"Allocate failed due to requested number of devices unavailable for {short}. "
+                f"Requested: {wanted[short]}, Available: {free}, which is unexpected",
+            )
+            log.warning("pod %s: %s", self.key, self._admission_error[1])
+            return False
+        for resource, uuids in got.items():
+            self.gpus = [*self.gpus, *uuids]
+            for slot in self.init_slots:
+                slot.gpus = [*slot.gpus, *uuids[: device_count(slot.spec, resource)]]
+            offset = 0
+            for slot in self.slots:
+                n = device_count(slot.spec, resource)
+                slot.gpus = [*slot.gpus, *uuids[offset : offset + n]]
+                offset += n
+        return True
 
     def _ensure_volumes(self) -> None:
         """Set up every volume once; raises SpecError (kept ContainerCreating) until it can."""
@@ -112,6 +164,9 @@ class PodWorker(PodContainers):
                     path.mkdir(parents=True, exist_ok=True)
                 self.volumes[name] = path
                 continue
+            if "persistentVolumeClaim" in vol:
+                self.volumes[name] = self._claim_folder(vol["persistentVolumeClaim"])
+                continue
             folder = self.dir / "volumes" / name
             folder.mkdir(parents=True, exist_ok=True)
             for rel, data in volume_files(
@@ -122,17 +177,32 @@ class PodWorker(PodContainers):
                 target.write_bytes(data)
             self.volumes[name] = folder
 
+    def _claim_folder(self, source: Mapping[str, Any]) -> Path:
+        """The folder of the PersistentVolume bound to the claim: shared by every pod that
+        mounts it and kept across restarts, like a real PV. `readOnly` is not enforced (the
+        sandbox has no mount namespace to make a folder read-only for one container)."""
+        api, claim_name = self.kubelet.api, str(source.get("claimName", ""))
+        claim = api.read_claim(self.namespace, claim_name)
+        volume_name = claim_volume_name(self.namespace, claim_name, claim)
+        assert claim is not None  # claim_volume_name raised otherwise
+        path = claim_path(self.namespace, claim, api.read_volume(volume_name))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     # -- driving the containers ---------------------------------------------------------
 
     def _step(self, now: float) -> None:
+        if now < self._volumes_retry_at:
+            return
         try:
             self._ensure_volumes()
         except (SpecError, ApiException, OSError) as e:
-            message = e.message if isinstance(e, SpecError) else str(e)
+            message = f"{e.reason}: {e.message}" if isinstance(e, SpecError) else str(e)
             for slot in [*self.init_slots, *self.slots]:
                 if slot.proc is None and not slot.done and slot.view.last_terminated is None:
                     slot.view.waiting_message = message
             self.kubelet.warn_throttled("pod %s: volumes not ready: %s", self.key, message)
+            self._volumes_retry_at = now + VOLUME_RETRY_SECONDS  # as the kubelet's volume manager retries
             return
         if any(s.done and s.view.terminated and s.view.terminated.exit_code != 0 for s in self.init_slots):
             return  # an init container failed for good (restartPolicy Never): the pod has failed

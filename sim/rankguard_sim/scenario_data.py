@@ -171,6 +171,23 @@ class HostMemory:
     source: str
 
 
+DEFAULT_DOWNLOAD_BYTES_PER_SECOND = 1000**3  # 1 GB/s
+
+
+@dataclass(frozen=True)
+class DownloadSpec:
+    """How fast the model's weights come into the Hugging Face cache when they are not there."""
+
+    bytes_per_second: int = DEFAULT_DOWNLOAD_BYTES_PER_SECOND
+    source: str = (
+        "the sandbox's default, 1 GB/s: a node's fast link to the Hugging Face Hub or a mirror "
+        "(a 70B bf16 checkpoint, 141 GB, takes 141 s)"
+    )
+
+    def seconds(self, nbytes: int) -> float:
+        return nbytes / self.bytes_per_second
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -190,6 +207,8 @@ class Scenario:
     # The model's config.json: the fake vLLM "downloads" it (header-only safetensors) into the
     # Hugging Face cache when it serves a repo id. None: it writes nothing.
     model_config: Mapping[str, Any] | None = None
+    # How long that "download" takes (unscaled seconds = the real checkpoint's bytes / rate).
+    download: DownloadSpec = field(default_factory=DownloadSpec)
 
     @property
     def world_size(self) -> int:

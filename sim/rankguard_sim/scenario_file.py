@@ -25,6 +25,7 @@ from .scenario_data import (
     PHASES,
     SCALES_WITH,
     Component,
+    DownloadSpec,
     EngineDefaults,
     GpuSpec,
     HostMemory,
@@ -254,6 +255,15 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         host = HostMemory(baseline_bytes=baseline, after_load_bytes=after, source=hm.source())
         hm.done()
     model_config = _model_config(r._get("model_config", False), f"{where}.model_config", path, model)
+    dl = r.opt_sub("download")
+    download = DownloadSpec()
+    if dl is not None:
+        rate = dl.size("bytes_per_second")
+        assert rate is not None
+        if rate <= 0:
+            raise ScenarioError(f"{where}.download.bytes_per_second: must be > 0")
+        download = DownloadSpec(bytes_per_second=rate, source=dl.source())
+        dl.done()
     r.done()
 
     scenario = Scenario(
@@ -272,6 +282,7 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         sources=dict(sources_doc),
         path=path,
         model_config=model_config,
+        download=download,
     )
     _check_fits_at_rest(scenario, where)
     return scenario

@@ -45,7 +45,17 @@ class Metrics:
             ],
             registry=self.registry,
         )
+        # Not vLLM's: the sandbox's record of where the engine's `import pynvml` came from.
+        self.engine_pynvml = Gauge(
+            "rankguard_sim_engine_pynvml_info",
+            "rankguard sandbox: the pynvml module the simulated engine imported (file), or why not (error)",
+            ["file", "error"],
+            registry=self.registry,
+        )
         self.set_load(0, 0, 0.0)
+
+    def set_engine_pynvml(self, file: str, error: str) -> None:
+        self.engine_pynvml.labels(file=file, error=error).set(1)
 
     def set_cache_config(self, config: EngineConfig, plan: KVPlan) -> None:
         self.cache_info.labels(

@@ -9,6 +9,7 @@ vLLM's log prefix shows for it.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Any
 
@@ -57,10 +58,24 @@ def message(key: str, *values: Any, file_suffix: str | None = None) -> str:
     return template
 
 
+def message_pattern(key: str, file_suffix: str | None = None) -> re.Pattern[str]:
+    """A regex that finds message `key` in a log line, one group per value (a %-template's)."""
+    entry = _entry(key, file_suffix)
+    if entry["style"] != "percent":
+        raise ValueError(f"message {key!r} is not a %-template (style {entry['style']})")
+    text = re.escape(str(entry["template"]))
+    return re.compile(re.sub(r"%(?:\\\.)?\d*[sdf]", "(.+?)", text) + "$")
+
+
 def where(key: str, file_suffix: str | None = None) -> str:
     """The `[file.py:line]` part of vLLM's log prefix for message `key`."""
     entry = _entry(key, file_suffix)
     return f"{str(entry['file']).rsplit('/', 1)[-1]}:{entry['line']}"
+
+
+def download_log_seconds() -> float:
+    """vLLM logs the weights' download time only when it took longer than this (weight_utils.py)."""
+    return float(snapshot().engine["weights_download_log"]["seconds"])
 
 
 def null_blocks() -> int:

@@ -2,8 +2,10 @@
 
 Used by the end-to-end tests and by `make demo`. The operator runs as a real subprocess
 (`python -m rankguard_operator`), exactly as in its container; the process kubelet runs in
-this process and starts the agent and the fake vLLM as local processes. Nothing here knows
-rankguard's budget math: the node's ground truth is a scenario file.
+this process and starts the agent and the fake vLLM as local processes. The control plane
+brings the sandbox's storage (a default StorageClass and its local provisioner, cluster.py),
+so model-cache claims bind. Nothing here knows rankguard's budget math: the node's ground
+truth is a scenario file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from kubernetes import client
 
 from .cluster import ControlPlane, _die_with_parent, free_port
 from .kubelet import ProcessKubelet
+from .nodegpus import MigLayout
 from .testbin import REPO_ROOT
 from .waiting import wait_for
 
@@ -110,8 +114,22 @@ def install_crd(cp: ControlPlane, timeout: float = 60) -> None:
     scans once at start-up). Every caller (tests, demo, benches) therefore waits for discovery.
     """
     cp.kubectl("apply", "--server-side", "--field-manager=rankguard-sandbox", "-f", str(CRD_FILE))
-    cp.kubectl(
-        "wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", "crd/llmservices.rankguard.io"
+    # Polled rather than `kubectl wait`: a CRD whose status has no conditions yet makes that
+    # command fail at once ("accessor error") instead of waiting.
+    wait_for(
+        "the LLMService CRD to be Established",
+        lambda: (
+            cp.kubectl(
+                "get",
+                "crd/llmservices.rankguard.io",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                check=False,
+            ).stdout.strip()
+            == "True"
+        ),
+        timeout,
+        every=0.3,
     )
     wait_for(
         "API discovery to serve llmservices.rankguard.io",
@@ -130,7 +148,10 @@ def start_node(
     time_scale: float = 1.0,
     backoff_base: float = 0.5,
     backoff_cap: float = 5.0,
+    mig: MigLayout | None = None,
 ) -> Node:
+    """A process kubelet for `scenario` (room for two replicas' GPUs), optionally with MIG
+    slices; the control plane's default StorageClass gives its pods PersistentVolumes."""
     kubelet = ProcessKubelet(
         api,
         name,
@@ -142,6 +163,7 @@ def start_node(
         backoff_cap=backoff_cap,
         delete_node_on_stop=True,
         extra_env={"RANKGUARD_SIM_TIME_SCALE": str(time_scale)},
+        mig=mig,
     )
     kubelet.start()
     return Node(kubelet, name)
@@ -153,6 +175,17 @@ def scenario_gpu_count(scenario: str) -> int:
     s = load_scenario(scenario)
     # One serving replica's GPUs plus room for a second during a roll.
     return int(s.world_size) * 2
+
+
+@contextlib.contextmanager
+def running(api: Any, kubelet: ProcessKubelet, timeout: float = 60) -> Iterator[ProcessKubelet]:
+    """Start `kubelet`, wait until its node is schedulable, and stop it afterwards."""
+    kubelet.start()
+    try:
+        wait_node_schedulable(api, kubelet.node_name, timeout)
+        yield kubelet
+    finally:
+        kubelet.stop()
 
 
 def wait_node_schedulable(api: Any, name: str, timeout: float = 90) -> None:

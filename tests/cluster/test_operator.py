@@ -501,7 +501,7 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
         container = vllm_container(live)
         want_container = want["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == want_container["command"]
-        assert container["command"][:4] == ["python3", "-m", "rankguard_agent", "launch"]
+        assert container["command"][:3] == ["python3", "/opt/rankguard/agent/rankguard-agent", "launch"]
         assert container["command"][container["command"].index("--") + 1 :][:3] == ["vllm", "serve", MODEL]
         assert kv_flag(live) == plan.kv_cache_memory_bytes
         assert container["resources"] == {

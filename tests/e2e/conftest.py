@@ -46,7 +46,12 @@ def operator_process(
 ) -> Iterator[OperatorProcess]:
     install_crd(cluster)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster.kubeconfig, log, env_extra={"RANKGUARD_WATCH_NAMESPACES": "e2e-*"})
+    op = OperatorProcess(
+        cluster.kubeconfig,
+        log,
+        # an agent missing for 15 s is reported (60 s by default), so that story runs in time
+        env_extra={"RANKGUARD_WATCH_NAMESPACES": "e2e-*", "RANKGUARD_AGENT_UNAVAILABLE_AFTER": "15"},
+    )
     op.start()
     try:
         op.wait_ready()
@@ -79,7 +84,8 @@ def make_node(api: client.ApiClient, tmp_path: Path) -> Iterator[Callable[..., N
     nodes: list[Node] = []
 
     def make(scenario: str, **kw: Any) -> Node:
-        node = start_node(api, tmp_path, f"e2e-{scenario}-{uuid.uuid4().hex[:5]}", scenario, **kw)
+        # a scenario is a built-in name or a YAML file's path; the node is named after it
+        node = start_node(api, tmp_path, f"e2e-{Path(scenario).stem}-{uuid.uuid4().hex[:5]}", scenario, **kw)
         nodes.append(node)
         wait_node_schedulable(api, node.name)
         return node

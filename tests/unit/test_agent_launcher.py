@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from launched import AGENT_ROOT, agent_port, launcher_cmd, message, py, report_when, run, start, stop
 
-from rankguard_agent.launcher import LineScanner, Observer
+from rankguard_agent.launcher import Observer
 from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall
+from rankguard_agent.streams import LineScanner
 from rankguard_agent.termination import (
     COMPLETED,
     CUDA_OOM,

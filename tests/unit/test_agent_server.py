@@ -131,6 +131,18 @@ async def test_healthz(served: tuple[AgentState, str]) -> None:
     assert status == 200 and b'"status": "ok"' in body
 
 
+async def test_listening_on_ipv6_any_also_answers_ipv4(root: Path) -> None:
+    """spec.listenAddress "::" on a dual-stack cluster: the operator may reach the pod by IPv4."""
+    server = AgentServer(make_state(SimBackend(root, {})), "::", 0)
+    port = await server.start()
+    try:
+        for base in (f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
+            status, _, _ = await get(base + "/healthz")
+            assert status == 200, base
+    finally:
+        await server.stop()
+
+
 async def test_no_gpu_agent_serves_an_empty_report_with_sampler_not_ok() -> None:
     runtime = AgentRuntime(RuntimeConfig(host="127.0.0.1", port=0), {}, backend=NoGpuBackend("no NVML"))
     runtime.state.backend_error = "no NVML"

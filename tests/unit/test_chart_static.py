@@ -4,7 +4,8 @@
   refuses a value of another JSON type, and schema and values.yaml list the same values.
 - every value in values.yaml carries a comment.
 - the chart's CRD is crds/llmservice.yaml itself (a link), never a second copy that can drift.
-- the RBAC rules in the chart are the table in docs/rbac.md, each with a comment.
+- the RBAC rules in the chart are the tables in docs/rbac.md (every install's, and the
+  cluster-wide install's own), each with a comment.
 - NOTES.txt tells the user what to do next.
 - hadolint finds nothing at warning level or above in the Dockerfile, and the Dockerfile keeps
   the promises the chart relies on (targets, non-root numeric user, pinned bases, ports).
@@ -233,11 +234,12 @@ def test_the_crd_is_the_llmservice_crd() -> None:
 
 
 # --------------------------------------------------------------------------- RBAC rules = docs
-def chart_rules() -> list[tuple[list[str], dict[str, Any]]]:
-    """The rules define of _helpers.tpl: plain YAML; each rule with the comment lines above it."""
+def chart_rules(define: str = "rankguard.rules") -> list[tuple[list[str], dict[str, Any]]]:
+    """A rules define of _helpers.tpl (every install's, or `rankguard.clusterRules`, the
+    cluster-wide install's own): plain YAML; each rule with the comment lines above it."""
     text = (CHART / "templates" / "_helpers.tpl").read_text()
-    m = re.search(r'\{\{- define "rankguard\.rules" -\}\}\n(.*?)\{\{- end \}\}', text, re.S)
-    assert m, "_helpers.tpl must define rankguard.rules"
+    m = re.search(r'\{\{- define "' + re.escape(define) + r'" -\}\}\n(.*?)\{\{- end \}\}', text, re.S)
+    assert m, f"_helpers.tpl must define {define}"
     body = m.group(1)
     rules = yaml.safe_load(body)
     assert isinstance(rules, list)
@@ -252,12 +254,21 @@ def chart_rules() -> list[tuple[list[str], dict[str, Any]]]:
     return list(zip(comments, rules, strict=True))
 
 
-def doc_rules() -> set[tuple[str, str, str]]:
-    """(apiGroup, resource, verb) from the table in docs/rbac.md (API group | resource | verbs | why)."""
+CLUSTER_ONLY_HEADING = "## Cluster-wide installs only"
+
+
+def doc_rules(*, cluster_only: bool = False) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) from the tables in docs/rbac.md (API group | resource | verbs |
+    why): every install's, or with `cluster_only` the table under CLUSTER_ONLY_HEADING."""
     rows: set[tuple[str, str, str]] = set()
+    section = ""
     for line in RBAC_DOC.read_text().splitlines():
+        if line.startswith("## "):
+            section = line.strip()
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 4 or not cells[1].startswith("`"):
+            continue
+        if (section == CLUSTER_ONLY_HEADING) != cluster_only:
             continue
         group = cells[0].strip("`")
         group = "" if group.startswith("core") else group
@@ -269,22 +280,34 @@ def doc_rules() -> set[tuple[str, str, str]]:
 
 def test_every_rbac_rule_has_a_reason() -> None:
     # Two adjacent Event rules share one comment block; every other rule has its own.
-    for i, (comment, rule) in enumerate(chart_rules()):
-        shared = rule["apiGroups"] == ["events.k8s.io"] and i > 0
-        assert comment or shared, f"rule {rule} has no comment saying why"
+    for define in ("rankguard.rules", "rankguard.clusterRules"):
+        for i, (comment, rule) in enumerate(chart_rules(define)):
+            shared = rule["apiGroups"] == ["events.k8s.io"] and i > 0
+            assert comment or shared, f"rule {rule} has no comment saying why"
 
 
-def test_the_rbac_rules_are_the_table_in_docs_rbac_md() -> None:
-    granted = {
+def granted_by(define: str) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
-        for _, rule in chart_rules()
+        for _, rule in chart_rules(define)
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def test_the_rbac_rules_are_the_table_in_docs_rbac_md() -> None:
+    granted = granted_by("rankguard.rules")
     assert not any(verb in {"delete", "deletecollection", "*", "update"} for _, _, verb in granted)
+    # Nodes are cluster-scoped: a Role could not grant them, so they are in the cluster rules alone.
     assert not any(res in {"secrets", "nodes", "customresourcedefinitions"} for _, res, _ in granted)
     assert granted == doc_rules()
+
+
+def test_the_cluster_wide_rules_are_their_own_table_and_read_one_object_at_a_time() -> None:
+    granted = granted_by("rankguard.clusterRules")
+    assert granted == doc_rules(cluster_only=True) == {("", "nodes", "get")}
+    assert not granted & granted_by("rankguard.rules")
 
 
 # --------------------------------------------------------------------------- NOTES.txt

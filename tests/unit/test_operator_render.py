@@ -77,8 +77,8 @@ RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"
 
 
 EXPECTED_COMMAND = [
-    "python3", "-m", "rankguard_agent", "launch",
-    "--port", "9404", "--host", "$(POD_IP)",
+    "python3", "/opt/rankguard/agent/rankguard-agent", "launch",
+    "--port", "9404", "--host", "0.0.0.0",
     "--termination-log", "/dev/termination-log", "--hz", "10",
     "--probe", "--probe-world-size", "4",
     "--probe-hidden-size", "8192", "--probe-vocab-size", "128256",
@@ -90,7 +90,7 @@ EXPECTED_COMMAND = [
     "--max-num-batched-tokens", "8192",
     "--dtype", "auto",
     "--kv-cache-dtype", "auto",
-    "--host", "$(POD_IP)", "--port", "8000",
+    "--host", "0.0.0.0", "--port", "8000",
     "--enable-prefix-caching",
 ]  # fmt: skip
 
@@ -147,7 +147,6 @@ def expected_deployment(hash_: str) -> dict[str, Any]:
                             "image": "vllm/vllm-openai:v0.33.0",
                             "command": EXPECTED_COMMAND,
                             "env": [
-                                {"name": "PYTHONPATH", "value": "/opt/rankguard/agent"},
                                 {"name": "CUDA_DEVICE_ORDER", "value": "PCI_BUS_ID"},
                                 {
                                     "name": "POD_IP",
@@ -258,7 +257,7 @@ def test_vllm_args_with_utilisation_pp_and_eager() -> None:
         "--dtype", "auto",
         "--kv-cache-dtype", "fp8",
         "--enforce-eager",
-        "--host", "$(POD_IP)", "--port", "8000",
+        "--host", "0.0.0.0", "--port", "8000",
         "--seed", "1",
     ]  # fmt: skip
 
@@ -388,8 +387,8 @@ def test_the_agent_accepts_the_command_rankguard_renders() -> None:
 
     cmd = deployment(spec_of(agent={"sampleHz": 2.5}))["spec"]["template"]["spec"]["containers"][0]["command"]
     cut = cmd.index("--")
-    assert cmd[:3] == ["python3", "-m", "rankguard_agent"] and cmd[cut + 1] == "vllm"
-    ns = build_parser().parse_args(cmd[3:cut])
+    assert cmd[:3] == ["python3", "/opt/rankguard/agent/rankguard-agent", "launch"] and cmd[cut + 1] == "vllm"
+    ns = build_parser().parse_args(cmd[2:cut])
     assert (ns.cmd, ns.port, ns.hz, ns.probe, ns.probe_world_size) == ("launch", 9404, 2.5, True, 4)
     assert (ns.probe_hidden_size, ns.probe_vocab_size, ns.termination_log) == (
         8192,

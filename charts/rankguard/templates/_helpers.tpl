@@ -130,6 +130,12 @@ LLMService, so the garbage collector removes them; the operator never deletes.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get"]
+# The model cache (spec.modelCache): read the claim each pass to report ModelCacheReady, and
+# create the claim rankguard owns (spec.modelCache.size) by server-side apply. No delete: the
+# claim carries an ownerReference to its LLMService, so the garbage collector removes it.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
 # Tell people what happened (remediations, rejected specs) as Events on the LLMService;
 # patch lets repeated events be counted instead of duplicated. Both Event APIs, because
 # kopf posts core/v1 Events and events.k8s.io/v1 is the API new clients use.
@@ -139,4 +145,16 @@ LLMService, so the garbage collector removes them; the operator never deletes.
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/*
+Rules only a cluster-wide install gets (its ClusterRole): cluster-scoped objects, which a Role
+cannot grant. docs/rbac.md lists them in their own table; the same tests keep them in step.
+*/}}
+{{- define "rankguard.clusterRules" -}}
+# Read-only, one Node at a time: the node a serving pod runs on, for the GPU memory its GPU
+# Feature Discovery labels state (nvidia.com/gpu.memory), to plan before the first start.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get"]
 {{- end }}

@@ -334,14 +334,20 @@ def measured_plan(
     learned_gpu_bytes: int | None = None,
     engine_non_kv: Mapping[int, int] | None = None,
     model: ModelResolution | None = None,
+    slice_bytes: int | None = None,
 ) -> Plan | None:
     """The plan the policy decides with: the planner's budget for `spec`, with each fresh rank's
     measured total and probe figures (from `observation`) replacing the priors. None while one
     GPU's size is unknown (neither measured now, nor learned before, nor in the spec). Raises
-    SpecError when the spec cannot be planned."""
+    SpecError when the spec cannot be planned. `slice_bytes`: a MIG slice's size from the
+    node's labels (core/gpu_labels), which replaces the agents' totals: NVML in the pod may
+    report the parent GPU's."""
+    measured = gpu_totals(observation, engine_non_kv)
+    if slice_bytes is not None:
+        measured = tuple(replace(m, total_bytes=slice_bytes) for m in measured)
     return initial_plan(
         _with_gpu(spec, learned_gpu_bytes),
-        measured=gpu_totals(observation, engine_non_kv),
+        measured=measured,
         shape=shape,
         hf_config=hf_config,
         model=model,

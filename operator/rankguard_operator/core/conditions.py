@@ -21,6 +21,8 @@ class Condition(str, Enum):
     BUDGET_PLANNED = "BudgetPlanned"
     ENGINE_RULES = "EngineRules"  # which recorded vLLM snapshot's rules apply (core/engine_status)
     MODEL_RESOLVED = "ModelResolved"  # where the shape came from, or why measure-first (core/model_source)
+    MODEL_CACHE_READY = "ModelCacheReady"  # spec.modelCache's claim is bound (core/model_cache)
+    AGENT_READY = "AgentReady"  # every ready serving pod's agent reports (core/agent_ready)
 
 
 class Phase(str, Enum):
@@ -76,6 +78,12 @@ def set_condition(  # noqa: PLR0917 - the condition's fields, positionally, as c
             }
         )
     return out
+
+
+def drop_condition(conditions: Sequence[Mapping[str, Any]], type: Condition | str) -> list[dict[str, Any]]:
+    """A copy of `conditions` without `type` (a condition about something no longer configured)."""
+    name = _name(type)
+    return [dict(c) for c in conditions if c.get("type") != name]
 
 
 def _name(type: Condition | str) -> str:

@@ -31,6 +31,14 @@ class ApplyService:
 
 
 @dataclass(frozen=True)
+class ApplyClaim:
+    """Server-side apply the model cache's PersistentVolumeClaim (spec.modelCache.size), before
+    the Deployment that mounts it."""
+
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class PostEvent:
     """An Event on the LLMService. `name` makes it idempotent (a remediation's Event is named
     after its id); `repeat` events are rate-limited by reason at the edge, since a state that
@@ -50,4 +58,4 @@ class WriteStatus:
     patch: Mapping[str, Any]
 
 
-Effect = WriteIntent | ApplyDeployment | ApplyService | PostEvent | WriteStatus
+Effect = ApplyClaim | WriteIntent | ApplyDeployment | ApplyService | PostEvent | WriteStatus

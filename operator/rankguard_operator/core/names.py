@@ -26,10 +26,14 @@ VLLM_CONTAINER = "vllm"
 AGENT_INIT_CONTAINER = "rankguard-agent-install"
 AGENT_VOLUME = "rankguard-agent"
 AGENT_MOUNT_PATH = "/opt/rankguard/agent"
+# The agent bundle's stdlib-only entry: run by path, so no PYTHONPATH leaks into vLLM, and it
+# starts vLLM anyway when the agent itself cannot start.
+AGENT_ENTRY = f"{AGENT_MOUNT_PATH}/rankguard-agent"
 SHM_VOLUME = "dshm"
+CACHE_VOLUME = "model-cache"
 TERMINATION_LOG = "/dev/termination-log"
 VLLM_HTTP_PORT = 8000
-GPU_RESOURCE = "nvidia.com/gpu"
+GPU_RESOURCE = "nvidia.com/gpu"  # the default of spec.resources.gpuResourceName
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "rankguard"
@@ -40,6 +44,7 @@ FLAGS_ANNOTATION = f"{API_GROUP}/serving-flags"
 REMEDIATION_ID_ANNOTATION = f"{API_GROUP}/remediation-id"
 
 _MAX_LABEL = 63
+_MAX_SUBDOMAIN = 253
 _HASH_CHARS = 8
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -69,6 +74,16 @@ def service_name(name: str) -> str:
     if not text[:1].isalpha():
         text = f"svc-{text}"
     return _shorten(text, name)
+
+
+def cache_claim_name(name: str) -> str:
+    """The PersistentVolumeClaim rankguard creates for spec.modelCache.size: `<name>-model-cache`,
+    shortened with a hash when that would exceed a DNS subdomain's 253 characters."""
+    suffix = f"-{CACHE_VOLUME}"
+    if len(name) + len(suffix) <= _MAX_SUBDOMAIN:
+        return name + suffix
+    head = name[: _MAX_SUBDOMAIN - len(suffix) - _HASH_CHARS - 1].rstrip("-.")
+    return f"{head}-{_digest(name)}{suffix}"
 
 
 def labels(name: str) -> dict[str, str]:

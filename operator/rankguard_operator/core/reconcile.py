@@ -1,14 +1,15 @@
 """One reconcile step of an LLMService, as a pure function: `step(state, world) -> Step`.
 
-(A little over 400 lines because the step reads as the loop does, top to bottom, in one place;
-its state and effects live in `service_state` and `effects`.)
+(The step reads as the loop does, top to bottom, in one place; its inputs and outputs live in
+`step_io`, its state in `service_state`, its effects in `effects`, the pod-shaped conditions in
+`pod_world`.)
 
 `state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
 is what the edge observed for this pass (the spec, the Deployment, the pods, the agents'
 reports, the clock, and the id a new remediation would carry). The result is the next state
 and the effects, as values, in the order the edge must carry them out:
 
-    WriteIntent -> ApplyDeployment -> PostEvent -> ApplyService -> WriteStatus
+    ApplyClaim -> WriteIntent -> ApplyDeployment -> PostEvent -> ApplyService -> WriteStatus
 
 Restart safety is a property of this order and of `step` reading only persisted state: a
 remediation writes its intent (`status.pendingRemediation`, with the history record) before
@@ -26,16 +27,15 @@ Pure: no I/O, no clock (`world.now`), deterministic.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from rankguard_agent.report import Report
-from rankguard_operator.core import model_source, observe, policy, render, status
+from rankguard_operator.core import model_source, observe, pod_world, policy, render, status
+from rankguard_operator.core.agent_ready import AgentMiss
 from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
+    ApplyClaim,
     ApplyDeployment,
     ApplyService,
     Effect,
@@ -45,16 +45,30 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.gpu_labels import planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.history import history_from_status
-from rankguard_operator.core.model_source import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.step_io import (
+    ReportInput,
+    Settings,
+    Step,
+    World,
+    after_apply,
+    iso,
+    merge_keys,
+    remediation_id_of,
+    same_template,
+    scrape_targets,
+)
 
 # What callers use through this module (the step's inputs, outputs and effects).
 __all__ = [
+    "AgentMiss",
+    "ApplyClaim",
     "ApplyDeployment",
     "ApplyService",
     "Effect",
@@ -77,116 +91,6 @@ __all__ = [
     "with_intent",
 ]
 
-HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
-
-# --------------------------------------------------------------------------------------------
-# Inputs
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the operator was configured with that a step needs (built once at start-up)."""
-
-    agent_image: str
-    stale_after: float = 30.0  # seconds after which an agent report is too old to act on
-
-
-ReportInput = tuple[str, Report, float]  # (pod name, validated report, received at)
-
-
-@dataclass(frozen=True)
-class World:
-    """What the edge observed for one pass."""
-
-    name: str
-    namespace: str
-    uid: str
-    generation: int
-    spec: Mapping[str, Any]  # the LLMService's spec as stored (the API server defaulted it)
-    now: float
-    new_id: str  # the id a remediation decided in this step will carry (the edge makes it)
-    deployment: Mapping[str, Any] | None = None
-    pods: Sequence[Mapping[str, Any]] = ()
-    reports: Sequence[ReportInput] = ()
-    model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
-
-
-@dataclass(frozen=True)
-class Step:
-    state: ServiceState  # the state after every effect has been carried out
-    effects: tuple[Effect, ...]
-    decision: policy.Decision | None = None  # None when the spec was refused
-    phase: str = ""
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-
-
-def iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def merge_keys(keys: Sequence[str], more: Sequence[str]) -> tuple[str, ...]:
-    """`keys` + the new ones of `more`, in order, the newest HANDLED_LIMIT kept."""
-    out = list(keys)
-    for k in more:
-        if k not in out:
-            out.append(k)
-    return tuple(out[-HANDLED_LIMIT:])
-
-
-def remediation_id_of(deployment: Mapping[str, Any] | None) -> str | None:
-    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
-    v = annotations.get(REMEDIATION_ID_ANNOTATION)
-    return v if isinstance(v, str) else None
-
-
-def after_apply(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> dict[str, Any]:
-    """The Deployment as the API server will hold it right after `applied` lands: its spec and
-    metadata, the live status, and a new generation when the spec changed, which the
-    controller has not observed yet (so the rollout reads as progressing)."""
-    live_meta = (live or {}).get("metadata") or {}
-    live_gen = live_meta.get("generation")
-    gen = live_gen if isinstance(live_gen, int) else 0
-    if live is None or live.get("spec") != applied.get("spec"):
-        gen += 1
-    return {
-        **applied,
-        "metadata": {**applied.get("metadata", {}), "generation": gen},
-        "status": dict((live or {}).get("status") or {}),
-    }
-
-
-def _same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], replicas: int) -> bool:
-    """The live Deployment already runs what we would render (the hash covers the template)."""
-    if live is None:
-        return False
-    live_replicas = (live.get("spec") or {}).get("replicas")
-    return observe.deployment_template_hash(live) == observe.deployment_template_hash(want) and (
-        live_replicas == replicas
-    )
-
-
-def scrape_targets(
-    world_spec: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
-) -> list[tuple[str, str, int]]:
-    """(pod, IP, agent port) of the pods worth scraping: ready, with an IP, created from the
-    template the Deployment holds now. `step` keeps only the reports of the template it wants,
-    so this is an economy, not a decision. Empty when the spec cannot be read."""
-    try:
-        port = parse_spec(world_spec).agent.port
-    except SpecError:
-        return []
-    live = observe.deployment_template_hash(deployment)
-    out = []
-    for p in pods:
-        ip = observe.pod_ip(p)
-        if ip and observe.pod_ready(p) and live is not None and observe.carried_template_hash(p) == live:
-            out.append((str(p["metadata"]["name"]), ip, port))
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # The step
 
@@ -196,7 +100,9 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     try:
         spec = parse_spec(world.spec)
         model = model_source.resolve(spec, world.model_config, state.learned_model)
-        prior = prior_plan(spec, state.gpu_memory_bytes, model)
+        prior = prior_plan(
+            spec, planning_gpu_bytes(state.gpu_memory_bytes, pod_world.node_gpu(world, spec)), model
+        )
     except SpecError as e:
         return invalid_spec(state, world, str(e))
     return _Pass(state, world, settings, spec, prior, model).run()
@@ -228,6 +134,11 @@ class _Pass:
         # what the last pass rendered with; this pass's engine view may lower it
         self.key = budget_key(spec)
         self.startup_free = state.kept_engine(self.key)[1]
+        self.node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+
+    def gpu(self, learned: int | None) -> int | None:
+        """One GPU's size for the plans: the agents' figure or the nodes' labels (core/gpu_labels)."""
+        return planning_gpu_bytes(learned, self.node_gpu)
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
         w = self.world
@@ -262,7 +173,7 @@ class _Pass:
                 continue
             self.learned = learned
             self.model = model_source.resolve(self.spec, self.world.model_config, learned)
-            self.prior = prior_plan(self.spec, self.state.gpu_memory_bytes, self.model)
+            self.prior = prior_plan(self.spec, self.gpu(self.state.gpu_memory_bytes), self.model)
             return
 
     def apply(self, body: dict[str, Any], **kw: Any) -> None:
@@ -298,6 +209,10 @@ class _Pass:
     # 2-5. ----------------------------------------------------------------------------------
     def run(self) -> Step:
         w, spec, state = self.world, self.spec, self.state
+        first = not state.service_applied
+        self.effects += pod_world.claim_effects(
+            w, spec, first_pass=first, observed_generation=state.observed_generation
+        )
         self.finish_pending()
 
         # 2. Observe. Only pods of the template in effect speak for the current flags.
@@ -323,9 +238,14 @@ class _Pass:
                 # the GPU's size, measured: from now on the plans (start-up utilisation, probe
                 # sizes, the budget itself) stand on it even when the spec does not give it
                 gpu = self.updates["gpuMemoryBytes"] = learned
-                self.prior = prior_plan(spec, learned, self.model)
+                self.prior = prior_plan(spec, self.gpu(learned), self.model)
             plan = measured_plan(
-                spec, observation, learned_gpu_bytes=gpu, engine_non_kv=engine.non_kv, model=self.model
+                spec,
+                observation,
+                learned_gpu_bytes=self.gpu(gpu),
+                engine_non_kv=engine.non_kv,
+                model=self.model,
+                slice_bytes=slice_bytes(self.node_gpu),
             )
             if self.model.measure_first and self.prior is None:
                 # no priors to render from: the plan from vLLM's own per-worker report stands in
@@ -395,10 +315,10 @@ class _Pass:
         # 4. Keep the Deployment and Service as rendered. Server-side apply is idempotent; it is
         #    skipped when the live template already carries what we would render.
         want = self.render(self.current)
-        if not _same_template(self.deployment, want, spec.replicas):
+        if not same_template(self.deployment, want, spec.replicas):
             self.apply(want)
         rollout = observe.rollout_state(self.deployment, observe.deployment_template_hash(want) or "")
-        if not state.service_applied or w.generation != state.observed_generation:
+        if first or w.generation != state.observed_generation:
             self.effects.append(ApplyService(render.render_service(w.name, w.namespace, w.uid, spec)))
 
         # 5. Report (written only when something changed).
@@ -441,6 +361,18 @@ class _Pass:
         event = model_source.model_event(state.raw.get("model"), self.model)
         if event is not None:
             self.effects.append(PostEvent(*event, repeat=True))
+        settled = pod_world.settle(
+            new_status["conditions"],
+            w,
+            spec,
+            current_hash=current_hash,
+            observation=observation,
+            reported_pods=[r[0] for r in reports],
+            now_iso=iso(w.now),
+            unavailable_after=self.settings.agent_unavailable_after,
+        )
+        new_status["conditions"] = settled.conditions
+        self.effects += settled.events
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),
@@ -456,7 +388,8 @@ class _Pass:
         if patch is not None:
             self.effects.append(WriteStatus(patch))
         next_state = ServiceState.from_status(_merged(self.stored, new_status))
-        return Step(next_state, tuple(self.effects), decision, str(new_status.get("phase") or ""))
+        phase = str(new_status.get("phase") or "")
+        return Step(next_state, tuple(self.effects), decision, phase, settled.agents_unavailable)
 
 
 def invalid_spec(state: ServiceState, world: World, message: str) -> Step:

@@ -5,7 +5,10 @@ manager `rankguard`: only the fields rendered here are owned by rankguard, so a 
 edits to other fields survive. The agent is injected the way the OpenTelemetry operator
 injects auto-instrumentation: an init container copies the pure-Python agent into an
 emptyDir, and the vLLM container's command becomes
-`python3 -m rankguard_agent launch … -- vllm serve MODEL FLAGS…` (DESIGN §2 step 2).
+`python3 /opt/rankguard/agent/rankguard-agent launch … -- vllm serve MODEL FLAGS…` (DESIGN §2
+step 2). The user's `spec.template` (core/pod_template) is merged last: their env, volumes,
+scheduling fields and sidecars around what rankguard owns. The model cache (spec.modelCache)
+is a PersistentVolumeClaim mounted at its mountPath with HF_HOME pointing there.
 
 The pod template carries `rankguard.io/template-hash` (a hash of everything else in the
 template) so the caller can tell a real change from a re-render of the same thing, and
@@ -29,11 +32,12 @@ from rankguard_operator.core.budget import startup_utilization
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.models import ModelError, ModelShape, resolve_model
 from rankguard_operator.core.names import (
+    AGENT_ENTRY,
     AGENT_INIT_CONTAINER,
     AGENT_MOUNT_PATH,
     AGENT_VOLUME,
+    CACHE_VOLUME,
     FLAGS_ANNOTATION,
-    GPU_RESOURCE,
     SHM_VOLUME,
     TEMPLATE_HASH_ANNOTATION,
     TERMINATION_LOG,
@@ -45,6 +49,7 @@ from rankguard_operator.core.names import (
     service_name,
 )
 from rankguard_operator.core.planner import Plan
+from rankguard_operator.core.pod_template import CACHE_ENV, apply_template
 from rankguard_operator.core.spec import ServiceSpec
 from rankguard_operator.core.units import format_quantity
 
@@ -104,7 +109,7 @@ def vllm_args(
         args.append("--enforce-eager")
     if spec.model.quantization is not None:
         args += ["--quantization", spec.model.quantization]
-    args += ["--host", "$(POD_IP)", "--port", str(VLLM_HTTP_PORT)]
+    args += ["--host", spec.listen_address, "--port", str(VLLM_HTTP_PORT)]
     return args + list(e.extra_args)
 
 
@@ -132,16 +137,17 @@ def _probe_shape(spec: ServiceSpec, plan: Plan | None) -> ModelShape | None:
 
 
 def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:
-    """`python3 -m rankguard_agent launch …` up to (not including) the `--` separator."""
+    """`python3 /opt/rankguard/agent/rankguard-agent launch …` up to (not including) the `--`
+    separator. Run by path: Python puts the bundle first on the agent's own sys.path, so no
+    PYTHONPATH is set and vLLM keeps the image's own packages (pynvml above all)."""
     args = [
         "python3",
-        "-m",
-        "rankguard_agent",
+        AGENT_ENTRY,
         "launch",
         "--port",
         str(spec.agent.port),
         "--host",
-        "$(POD_IP)",
+        spec.listen_address,
         "--termination-log",
         TERMINATION_LOG,
         "--hz",
@@ -161,10 +167,10 @@ def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:
 
 
 def _resources(spec: ServiceSpec, flags: ServingFlags) -> dict[str, Any]:
-    gpus = str(spec.world_size)
-    requests: dict[str, str] = {GPU_RESOURCE: gpus}
-    limits: dict[str, str] = {GPU_RESOURCE: gpus}
     r = spec.resources
+    gpus = str(spec.world_size)
+    requests: dict[str, str] = {r.gpu_resource_name: gpus}
+    limits: dict[str, str] = {r.gpu_resource_name: gpus}
     if r.cpu_request is not None:
         requests["cpu"] = r.cpu_request
     if r.cpu_limit is not None:
@@ -182,12 +188,12 @@ def _resources(spec: ServiceSpec, flags: ServingFlags) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _env(name: str) -> list[dict[str, Any]]:
+def _env(name: str, spec: ServiceSpec) -> list[dict[str, Any]]:
     def field_ref(path: str) -> dict[str, Any]:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
+    cache = [] if spec.model_cache is None else [{"name": CACHE_ENV, "value": spec.model_cache.mount_path}]
     return [
-        {"name": "PYTHONPATH", "value": AGENT_MOUNT_PATH},
         # NVML enumerates in PCI bus order, CUDA "fastest first" by default: make them agree,
         # so rank i's figures are read from the GPU rank i actually uses.
         {"name": "CUDA_DEVICE_ORDER", "value": "PCI_BUS_ID"},
@@ -195,6 +201,7 @@ def _env(name: str) -> list[dict[str, Any]]:
         {"name": "POD_NAME", "valueFrom": field_ref("metadata.name")},
         {"name": "POD_NAMESPACE", "valueFrom": field_ref("metadata.namespace")},
         {"name": "RANKGUARD_LLMSERVICE", "value": name},
+        *cache,
     ]
 
 
@@ -223,7 +230,7 @@ def _pod_spec(
         "name": VLLM_CONTAINER,
         "image": spec.image,
         "command": [*agent_args(spec, plan), "--", "vllm", *vllm_args(spec, flags, plan, startup_free_bytes)],
-        "env": _env(name),
+        "env": _env(name, spec),
         "ports": [
             {"name": "http", "containerPort": VLLM_HTTP_PORT, "protocol": "TCP"},
             {"name": "agent", "containerPort": spec.agent.port, "protocol": "TCP"},
@@ -232,6 +239,7 @@ def _pod_spec(
         "volumeMounts": [
             {"name": AGENT_VOLUME, "mountPath": AGENT_MOUNT_PATH, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            *_cache_mounts(spec),
         ],
         # The launcher writes a JSON termination message (rank, bytes requested/free); if it
         # could not, the log tail is the next best evidence.
@@ -252,6 +260,9 @@ def _pod_spec(
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "securityContext": {**_RESTRICTED, "readOnlyRootFilesystem": True},
     }
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.resources.shared_memory_bytes is not None:
+        shm["sizeLimit"] = format_quantity(spec.resources.shared_memory_bytes)
     return {
         "automountServiceAccountToken": False,
         # A Service named "vllm" in the namespace would inject VLLM_PORT=tcp://…, which vLLM
@@ -264,9 +275,22 @@ def _pod_spec(
             {"name": AGENT_VOLUME, "emptyDir": {}},
             # NCCL and vLLM's worker message queues use /dev/shm; the runtime default is 64 MiB.
             # Memory-backed, so it counts toward the container memory limit.
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+            {"name": SHM_VOLUME, "emptyDir": shm},
+            *_cache_volumes(name, spec),
         ],
     }
+
+
+def _cache_mounts(spec: ServiceSpec) -> list[dict[str, Any]]:
+    if spec.model_cache is None:
+        return []
+    return [{"name": CACHE_VOLUME, "mountPath": spec.model_cache.mount_path}]
+
+
+def _cache_volumes(name: str, spec: ServiceSpec) -> list[dict[str, Any]]:
+    if spec.model_cache is None:
+        return []
+    return [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": spec.model_cache.claim(name)}}]
 
 
 def _canonical_json(doc: Any) -> str:
@@ -336,6 +360,8 @@ def render_deployment(
             },
         },
     }
+    template = deployment["spec"]["template"]
+    apply_template(spec.template, template["metadata"], template["spec"])
     if revision_annotations:
         deployment["metadata"]["annotations"] = dict(revision_annotations)
     deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] = template_hash(
@@ -363,4 +389,30 @@ def render_service(name: str, namespace: str, owner_uid: str, spec: ServiceSpec)
                 {"name": "agent", "port": spec.agent.port, "targetPort": "agent", "protocol": "TCP"},
             ],
         },
+    }
+
+
+def render_cache_claim(name: str, namespace: str, owner_uid: str, spec: ServiceSpec) -> dict[str, Any] | None:
+    """The PersistentVolumeClaim for spec.modelCache.size (None when the spec names an existing
+    claim, or no cache). Owned by the LLMService, so it goes when the service goes; applied
+    before the Deployment, so the first pod finds it."""
+    cache = spec.model_cache
+    if cache is None or not cache.created or cache.size_bytes is None:
+        return None
+    claim: dict[str, Any] = {
+        "accessModes": list(cache.access_modes),
+        "resources": {"requests": {"storage": format_quantity(cache.size_bytes)}},
+    }
+    if cache.storage_class is not None:
+        claim["storageClassName"] = cache.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": cache.claim(name),
+            "namespace": namespace,
+            "labels": labels(name),
+            "ownerReferences": [owner_reference(name, owner_uid)],
+        },
+        "spec": claim,
     }

@@ -28,7 +28,6 @@ from rankguard_operator.core.models import (
     UnknownModelError,
     resolve_model,
 )
-from rankguard_operator.core.names import VLLM_HTTP_PORT
 from rankguard_operator.core.owned_flags import check_extra_args
 from rankguard_operator.core.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -36,12 +35,12 @@ from rankguard_operator.core.planner import (
     DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_MODES,
 )
+from rankguard_operator.core.pod_template import PodTemplate, parse_template
 from rankguard_operator.core.quantization import RUNTIME_QUANTIZATION
 from rankguard_operator.core.spec_fields import (
     SpecError,
     bool_field,
     choice_field,
-    cpu_quantity,
     int_field,
     memory_quantity,
     number_field,
@@ -49,13 +48,29 @@ from rankguard_operator.core.spec_fields import (
     section,
     str_field,
 )
+from rankguard_operator.core.spec_pod import (
+    DEFAULT_AGENT_PORT,
+    DEFAULT_CACHE_MOUNT,
+    DEFAULT_SAMPLE_HZ,
+    AgentSpec,
+    ModelCacheSpec,
+    ResourcesSpec,
+    parse_agent,
+    parse_model_cache,
+    parse_resources,
+)
 from rankguard_operator.core.units import MiB
 
 __all__ = [
+    "DEFAULT_AGENT_PORT",
+    "DEFAULT_CACHE_MOUNT",
+    "DEFAULT_SAMPLE_HZ",
     "AgentSpec",
     "EngineSpec",
     "MemorySpec",
+    "ModelCacheSpec",
     "ModelSpec",
+    "PodTemplate",
     "RemediationSpec",
     "ResourcesSpec",
     "ServiceSpec",
@@ -70,12 +85,11 @@ DEFAULT_MIN_HEADROOM_BYTES = 256 * MiB
 DEFAULT_COOLDOWN_SECONDS = 300
 DEFAULT_MAX_PER_HOUR = 4
 DEFAULT_HOST_MEMORY_BUMP_RATIO = 1.2
-DEFAULT_AGENT_PORT = 9404
-DEFAULT_SAMPLE_HZ = 10.0
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_GPUS_PER_REPLICA = 64
+LISTEN_ADDRESSES = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -126,24 +140,6 @@ class RemediationSpec:
 
 
 @dataclass(frozen=True)
-class ResourcesSpec:
-    """CPU stays a Kubernetes quantity string (rankguard never computes with it); memory is bytes."""
-
-    cpu_request: str | None = None
-    cpu_limit: str | None = None
-    memory_request_bytes: int | None = None
-    memory_limit_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    image: str | None = None
-    port: int = DEFAULT_AGENT_PORT
-    probe: bool = True
-    sample_hz: float = DEFAULT_SAMPLE_HZ
-
-
-@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     image: str
@@ -155,6 +151,9 @@ class ServiceSpec:
     remediation: RemediationSpec = field(default_factory=RemediationSpec)
     agent: AgentSpec = field(default_factory=AgentSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    listen_address: str = LISTEN_ADDRESSES[0]
+    model_cache: ModelCacheSpec | None = None
+    template: PodTemplate = field(default_factory=PodTemplate)
 
     @property
     def world_size(self) -> int:
@@ -328,46 +327,6 @@ def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> Remediati
     )
 
 
-def _parse_resources(spec: Mapping[str, Any]) -> ResourcesSpec:
-    res = section(spec, "resources", "spec")
-    req = section(res, "requests", "spec.resources")
-    lim = section(res, "limits", "spec.resources")
-    mem_req = memory_quantity(req, "memory", "spec.resources.requests")
-    mem_lim = memory_quantity(lim, "memory", "spec.resources.limits")
-    if mem_req is not None and mem_lim is not None and mem_req > mem_lim:
-        raise SpecError(
-            f"spec.resources.requests.memory ({req.get('memory')}) exceeds spec.resources.limits.memory "
-            f"({lim.get('memory')}); Kubernetes refuses such a pod: raise the limit or lower the request"
-        )
-    return ResourcesSpec(
-        cpu_request=cpu_quantity(req, "cpu", "spec.resources.requests"),
-        cpu_limit=cpu_quantity(lim, "cpu", "spec.resources.limits"),
-        memory_request_bytes=mem_req,
-        memory_limit_bytes=mem_lim,
-    )
-
-
-def _parse_agent(spec: Mapping[str, Any]) -> AgentSpec:
-    w = "spec.agent"
-    a = section(spec, "agent", "spec")
-    port = required_int(a, "port", w, DEFAULT_AGENT_PORT, lo=1024, hi=65535)
-    if port == VLLM_HTTP_PORT:
-        raise SpecError(
-            f"spec.agent.port {port} is vLLM's HTTP port in the same pod; choose another, e.g. "
-            f"{DEFAULT_AGENT_PORT}"
-        )
-    hz = number_field(a, "sampleHz", w, DEFAULT_SAMPLE_HZ, lo=0.0, hi=100.0)
-    assert hz is not None
-    if hz <= 0:
-        raise SpecError("spec.agent.sampleHz must be above 0 samples per second")
-    return AgentSpec(
-        image=str_field(a, "image", w, None),
-        port=port,
-        probe=bool_field(a, "probe", w, True),
-        sample_hz=hz,
-    )
-
-
 def check_split(shape: ModelShape, tp: int, pp: int) -> None:
     """vLLM's constraints between the model and the GPU split, as SpecErrors naming spec fields."""
     if shape.num_heads % tp != 0:
@@ -423,6 +382,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     problems = check_extra_args(engine.extra_args, rules_for_image(image).cli)
     if problems:
         raise SpecError("; ".join(problems))
+    cache = parse_model_cache(spec)
     return ServiceSpec(
         model=model,
         image=image,
@@ -432,8 +392,11 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         engine=engine,
         memory=memory,
         remediation=_parse_remediation(spec, memory),
-        agent=_parse_agent(spec),
-        resources=_parse_resources(spec),
+        agent=parse_agent(spec),
+        resources=parse_resources(spec),
+        listen_address=choice_field(spec, "listenAddress", "spec", LISTEN_ADDRESSES[0], LISTEN_ADDRESSES),
+        model_cache=cache,
+        template=parse_template(spec.get("template"), cache.mount_path if cache is not None else None),
     )
 
 

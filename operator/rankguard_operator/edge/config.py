@@ -7,6 +7,8 @@ Environment (all optional):
   RANKGUARD_METRICS_HOST/PORT   Prometheus metrics (default 0.0.0.0:9090; 0 = off)
   RANKGUARD_SCRAPE_INTERVAL   seconds between passes of each service's loop (default 2)
   RANKGUARD_STALE_AFTER       seconds after which an agent report is too old to act on (default 30)
+  RANKGUARD_AGENT_UNAVAILABLE_AFTER  seconds a ready serving pod may go without a valid agent
+                              report before AgentReady turns False (default 60)
   RANKGUARD_LOG_FORMAT        plain | json (default plain)
 
 A bad value stops the operator at start-up with one line naming the variable, rather than
@@ -60,6 +62,7 @@ class OperatorConfig:
     metrics_port: int = 9090
     scrape_interval: float = 2.0
     stale_after: float = 30.0
+    agent_unavailable_after: float = 60.0
     log_format: str = "plain"
 
     @classmethod
@@ -79,6 +82,7 @@ class OperatorConfig:
             metrics_port=_port(env, "RANKGUARD_METRICS_PORT", 9090),
             scrape_interval=_seconds(env, "RANKGUARD_SCRAPE_INTERVAL", 2.0),
             stale_after=_seconds(env, "RANKGUARD_STALE_AFTER", 30.0),
+            agent_unavailable_after=_seconds(env, "RANKGUARD_AGENT_UNAVAILABLE_AFTER", 60.0),
             log_format=fmt,
         )
 
@@ -90,7 +94,11 @@ class OperatorConfig:
     @property
     def settings(self) -> Settings:
         """What each reconcile step needs."""
-        return Settings(agent_image=self.agent_image, stale_after=self.stale_after)
+        return Settings(
+            agent_image=self.agent_image,
+            stale_after=self.stale_after,
+            agent_unavailable_after=self.agent_unavailable_after,
+        )
 
     def kopf_args(self) -> dict[str, object]:
         """What to hand kopf.operator()."""

@@ -14,18 +14,27 @@ resourceVersion the write returned, and uses that state until the body has caugh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rankguard_operator.core import reconcile
+import kopf
+
+from rankguard_operator.core import pod_world, reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.edge import k8s
-from rankguard_operator.edge.metrics import ENGINE_RULES_FALLBACK, PASSES, RECONCILE_SECONDS, REMEDIATIONS
+from rankguard_operator.edge.metrics import (
+    AGENTS_UNAVAILABLE,
+    ENGINE_RULES_FALLBACK,
+    PASSES,
+    RECONCILE_SECONDS,
+    REMEDIATIONS,
+)
 from rankguard_operator.edge.scrape import Scraper, Target
 
 log = logging.getLogger("rankguard_operator.executor")
@@ -33,6 +42,51 @@ log = logging.getLogger("rankguard_operator.executor")
 # A state that lasts (a hold, Degraded, an invalid spec) is re-decided every pass; its Event
 # is posted again at most this often (its text carries counters that change every second).
 EVENT_REPEAT_SECONDS = 300.0
+# A node's labels are read again after this long (GPU Feature Discovery relabels rarely).
+NODE_LABELS_SECONDS = 300.0
+
+
+class NodeLabels:
+    """The labels of the nodes serving pods run on, read one Node at a time and kept for
+    NODE_LABELS_SECONDS. They only size the GPU before the agents have measured it, so no
+    failure to read them stops a pass: a 403 (a namespaced install may not read Nodes,
+    docs/rbac.md) is logged once per operator and retried after the same period; an API
+    hiccup keeps what was read before."""
+
+    forbidden_logged = False  # one log line per operator, not per LLMService
+
+    def __init__(self) -> None:
+        self._read: dict[str, tuple[float, dict[str, str]]] = {}
+        self._forbidden_at: float | None = None
+
+    async def labels(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        now = time.monotonic()
+        self._read = {n: v for n, v in self._read.items() if n in names}
+        forbidden = self._forbidden_at is not None and now - self._forbidden_at < NODE_LABELS_SECONDS
+        for name in names:
+            kept = self._read.get(name)
+            if forbidden or (kept is not None and now - kept[0] < NODE_LABELS_SECONDS):
+                continue
+            try:
+                node = await k8s.get_node(name)
+            except k8s.NodeForbidden as e:
+                self._forbidden_at, forbidden = now, True
+                if not NodeLabels.forbidden_logged:
+                    NodeLabels.forbidden_logged = True
+                    log.warning(
+                        "cannot read Node %s (%s): GPU sizes come from the spec or the agents only; "
+                        "grant `nodes get` (a cluster-wide install does) to plan from GPU Feature "
+                        "Discovery labels before the first start",
+                        name,
+                        e,
+                    )
+                continue
+            except kopf.TemporaryError as e:
+                log.debug("reading Node %s: %s", name, e)
+                continue
+            raw = ((node or {}).get("metadata") or {}).get("labels") or {}
+            self._read[name] = (now, {str(k): str(v) for k, v in raw.items()})
+        return {n: v[1] for n, v in self._read.items()}
 
 
 class ServiceExecutor:
@@ -41,12 +95,20 @@ class ServiceExecutor:
     def __init__(self, name: str, namespace: str, settings: reconcile.Settings) -> None:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
+        self.nodes = NodeLabels()
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
         self._written: tuple[str, reconcile.ServiceState] | None = None  # (rv of our write, state)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
 
     async def close(self) -> None:
         await self.scraper.close()
+
+    def forget(self) -> None:
+        """The LLMService is gone (or the operator stops): drop its gauges, so a deleted
+        service does not report agents unavailable forever."""
+        for gauge in (AGENTS_UNAVAILABLE, ENGINE_RULES_FALLBACK):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.namespace, self.name)
 
     # ------------------------------------------------------------------------------- a pass
     async def run_once(self, body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
@@ -74,6 +136,8 @@ class ServiceExecutor:
         spec = dict(body.get("spec") or {})
         deployment = await k8s.get_deployment(self.namespace, self.name)
         model_config = await self._model_config(spec)
+        reads = pod_world.reads(spec, self.name, pods)
+        claim = await k8s.get_claim(self.namespace, reads.claim) if reads.claim else None
         targets = [Target(*t) for t in reconcile.scrape_targets(spec, deployment, pods)]
         scraped = await self.scraper.scrape(targets)
         world = reconcile.World(
@@ -86,10 +150,16 @@ class ServiceExecutor:
             new_id=uuid.uuid4().hex[:12],
             deployment=deployment,
             pods=pods,
-            reports=[(s.pod, s.report, s.received_at) for s in scraped],
+            reports=[(s.pod, s.report, s.received_at) for s in scraped.reports],
             model_config=model_config,
+            cache_claim=claim,
+            agent_misses=scraped.misses,
+            node_labels=await self.nodes.labels(reads.nodes),
         )
         step = reconcile.step(state, world, self.settings)
+        AGENTS_UNAVAILABLE.labels(namespace=world.namespace, llmservice=world.name).set(
+            len(step.agents_unavailable)
+        )
         rules = next(
             (c for c in step.state.raw.get("conditions") or [] if c.get("type") == "EngineRules"), None
         )
@@ -130,7 +200,7 @@ class ServiceExecutor:
                     REMEDIATIONS.labels(
                         self.namespace, self.name, str(effect.action), str(effect.trigger)
                     ).inc()
-            elif isinstance(effect, reconcile.ApplyService):
+            elif isinstance(effect, (reconcile.ApplyService, reconcile.ApplyClaim)):
                 await k8s.apply(effect.body)
             elif isinstance(effect, reconcile.PostEvent):
                 await self._event(body, effect)

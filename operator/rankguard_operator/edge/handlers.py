@@ -90,7 +90,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 @kopf.index("", "v1", "pods", labels=MANAGED)
 def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Pods by (namespace, the LLMService label value): the loop reads them from memory."""
+    """Pods by (namespace, the LLMService label value): the loop reads them from memory. Of the
+    spec only the node a pod is scheduled on (for its GPU Feature Discovery labels)."""
     service = labels.get(LLMSERVICE_LABEL)
     if not service:
         return {}
@@ -103,6 +104,7 @@ def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **
             "annotations": dict(meta.get("annotations") or {}),
             "deletionTimestamp": meta.get("deletionTimestamp"),
         },
+        "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
         "status": dict(body.get("status") or {}),
     }
     return {(namespace, service): pod}
@@ -161,6 +163,7 @@ async def service_daemon(
     finally:
         if stopped:
             _wakers(memo).pop(key, None)
+            executor.forget()
         await executor.close()
 
 

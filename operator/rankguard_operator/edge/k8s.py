@@ -93,22 +93,24 @@ def _refusal_detail(e: ApiException) -> str:
     return str(doc.get("message") or e.reason)[:1024] if isinstance(doc, dict) else str(e.body)[:1024]
 
 
+# The kinds rankguard renders, and the API call that server-side applies each.
+_APPLIERS: dict[str, tuple[Any, str]] = {
+    "Deployment": (client.AppsV1Api, "patch_namespaced_deployment"),
+    "Service": (client.CoreV1Api, "patch_namespaced_service"),
+    "PersistentVolumeClaim": (client.CoreV1Api, "patch_namespaced_persistent_volume_claim"),
+}
+
+
 async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Server-side apply a Deployment or Service we render. Returns the object as stored."""
+    """Server-side apply a Deployment, Service or PersistentVolumeClaim we render. Returns the
+    object as stored."""
     kind, meta = obj["kind"], obj["metadata"]
 
     def call() -> Any:
-        if kind == "Deployment":
-            return client.AppsV1Api(api()).patch_namespaced_deployment(
-                meta["name"],
-                meta["namespace"],
-                dict(obj),
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=_APPLY,
-            )
-        if kind == "Service":
-            return client.CoreV1Api(api()).patch_namespaced_service(
+        if kind in _APPLIERS:
+            group, method = _APPLIERS[kind]
+            patch = getattr(group(api()), method)
+            return patch(
                 meta["name"],
                 meta["namespace"],
                 dict(obj),
@@ -153,6 +155,35 @@ async def get_configmap(namespace: str, name: str) -> dict[str, Any] | None:
     return await _read(
         "ConfigMap", name, lambda: client.CoreV1Api(api()).read_namespaced_config_map(name, namespace)
     )
+
+
+async def get_claim(namespace: str, name: str) -> dict[str, Any] | None:
+    """A PersistentVolumeClaim (spec.modelCache), or None when it does not exist."""
+    return await _read(
+        "PersistentVolumeClaim",
+        name,
+        lambda: client.CoreV1Api(api()).read_namespaced_persistent_volume_claim(name, namespace),
+    )
+
+
+class NodeForbidden(Exception):
+    """The operator may not read Nodes (a namespaced install): planning goes on without labels."""
+
+
+async def get_node(name: str) -> dict[str, Any] | None:
+    """A Node (for its labels), or None when it does not exist. Raises NodeForbidden on 403:
+    only a cluster-wide install grants `nodes get` (docs/rbac.md)."""
+
+    def call() -> Any:
+        return client.CoreV1Api(api()).read_node(name)
+
+    try:
+        return await _read("Node", name, call)
+    except kopf.TemporaryError as e:
+        cause = e.__cause__
+        if isinstance(cause, ApiException) and cause.status == 403:
+            raise NodeForbidden(_refusal_detail(cause)) from cause
+        raise
 
 
 async def get_llmservice(namespace: str, name: str) -> dict[str, Any] | None:

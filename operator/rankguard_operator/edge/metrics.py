@@ -35,6 +35,12 @@ REPORT_FIELDS_DROPPED = Counter(
     "engine memory): never acted upon",
     ["namespace", "llmservice"],
 )
+AGENTS_UNAVAILABLE = Gauge(
+    "rankguard_agents_unavailable",
+    "Ready serving pods of an LLMService whose agent has sent no valid report for longer than "
+    "RANKGUARD_AGENT_UNAVAILABLE_AFTER (the AgentReady condition names them and why)",
+    ["namespace", "llmservice"],
+)
 ENGINE_RULES_FALLBACK = Gauge(
     "rankguard_operator_engine_rules_fallback",
     "1 while an LLMService's vLLM version has no recorded snapshot (or is unknown) and the "

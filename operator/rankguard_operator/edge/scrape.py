@@ -3,19 +3,27 @@
 A report that is slow, oversized, malformed or hostile is counted in
 `rankguard_operator_reports_rejected_total{reason}` and dropped: it is "no data", never a
 reason to act (DESIGN §5). The operator keeps running whatever an agent sends.
+
+Each pass also says, per pod, why its report is missing (`AgentMiss`: unreachable, the
+agent's fallback answering 503 with `{"agentError": ...}`, another status, oversized,
+malformed) and since when it has been missing without a break, for the AgentReady
+condition (core/agent_ready). Of a 503's body only a bounded read of `agentError` is used,
+as a string, cut to one short line; nothing else in it is trusted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from rankguard_agent.report import MAX_REPORT_BYTES, Report, ReportError, parse_report
+from rankguard_operator.core.agent_ready import AgentMiss, MissKind, clean_agent_error
 
 from .metrics import REPORT_FIELDS_DROPPED, REPORTS_OK, REPORTS_REJECTED
 
@@ -23,6 +31,7 @@ log = logging.getLogger("rankguard_operator.edge.scrape")
 
 TIMEOUT = aiohttp.ClientTimeout(total=2.0, connect=1.0)
 MAX_CONCURRENCY = 16
+MAX_ERROR_BODY = 4096  # bytes of a 503 read for its agentError; the rest is never read
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,23 @@ class Scraped:
     pod: str
     report: Report
     received_at: float
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One pass's scrape: the valid reports, and why the other targets sent none."""
+
+    reports: list[Scraped] = field(default_factory=list)
+    misses: list[AgentMiss] = field(default_factory=list)
+
+
+def agent_error_of(body: bytes) -> str | None:
+    """The fallback's `agentError`, cleaned; None when the body is not such a JSON object."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return clean_agent_error(doc.get("agentError")) if isinstance(doc, dict) else None
 
 
 async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
@@ -59,6 +85,7 @@ class Scraper:
         self._session: aiohttp.ClientSession | None = None
         self._sem = asyncio.Semaphore(MAX_CONCURRENCY)
         self._complained: set[tuple[str, str]] = set()
+        self._failing_since: dict[str, float] = {}  # pod -> its first failed scrape in a row
 
     async def close(self) -> None:
         if self._session is not None:
@@ -72,31 +99,42 @@ class Scraper:
             self._complained.add((target.pod, reason))
             log.warning("ignoring the report of pod %s (%s): %s", target.pod, reason, detail)
 
-    async def _one(self, target: Target) -> Scraped | None:
+    def _miss(
+        self, target: Target, kind: MissKind, detail: str, why: str = "", agent_error: str | None = None
+    ) -> AgentMiss:
+        """Count and log (once) a missing report; `detail` is the short, stable account the
+        condition quotes, `why` the full one for the log."""
+        self._reject(target, kind, f"{detail}: {agent_error or why}" if agent_error or why else detail)
+        since = self._failing_since.setdefault(target.pod, time.time())
+        return AgentMiss(target.pod, kind, detail, since, agent_error)
+
+    async def _one(self, target: Target) -> Scraped | AgentMiss:
         assert self._session is not None
         url = f"http://{target.ip}:{target.port}/report"
         async with self._sem:
             try:
                 async with self._session.get(url, allow_redirects=False) as resp:
+                    if resp.status == 503:
+                        # the agent's fallback: vLLM runs, the agent could not start, and says why
+                        said = agent_error_of(await _read_at_most(resp.content, MAX_ERROR_BODY))
+                        if said is not None:
+                            return self._miss(target, "agent-error", "HTTP 503", agent_error=said)
                     if resp.status != 200:
-                        self._reject(target, "http-status", f"HTTP {resp.status}")
-                        return None
+                        return self._miss(target, "http-status", f"HTTP {resp.status}")
                     raw = await _read_at_most(resp.content, MAX_REPORT_BYTES + 1)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._reject(target, "unreachable", f"{type(e).__name__}: {e}")
-                return None
+                return self._miss(target, "unreachable", f"unreachable: {type(e).__name__}", str(e))
         if len(raw) > MAX_REPORT_BYTES:
-            self._reject(target, "oversized", f"more than {MAX_REPORT_BYTES} bytes")
-            return None
+            return self._miss(target, "oversized", f"its report is over {MAX_REPORT_BYTES} bytes")
         try:
             report = parse_report(raw)
         # ValueError besides ReportError: json.loads raises a bare ValueError for an integer of
         # more than 4300 digits (Python's int-conversion limit), which parse_report lets through.
         except (ReportError, ValueError) as e:
-            self._reject(target, "malformed", str(e))
-            return None
+            return self._miss(target, "malformed", "its report is malformed", str(e))
         REPORTS_OK.labels(namespace=self.namespace, llmservice=self.service).inc()
         self._complained = {c for c in self._complained if c[0] != target.pod}
+        self._failing_since.pop(target.pod, None)
         if report.dropped_fields:
             # the report stands; only its malformed advisory fields were dropped (counted, logged)
             REPORT_FIELDS_DROPPED.labels(namespace=self.namespace, llmservice=self.service).inc(
@@ -105,10 +143,15 @@ class Scraper:
             log.debug("pod %s: dropped from its report: %s", target.pod, "; ".join(report.dropped_fields))
         return Scraped(target.pod, report, time.time())
 
-    async def scrape(self, targets: Sequence[Target]) -> list[Scraped]:
+    async def scrape(self, targets: Sequence[Target]) -> Scrape:
+        # forget pods that are no longer targets: a pod back later starts a new run of failures
+        pods = {t.pod for t in targets}
+        self._failing_since = {p: since for p, since in self._failing_since.items() if p in pods}
         if not targets:
-            return []
+            return Scrape()
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=TIMEOUT, raise_for_status=False)
         results = await asyncio.gather(*(self._one(t) for t in targets))
-        return [r for r in results if r is not None]
+        return Scrape(
+            [r for r in results if isinstance(r, Scraped)], [r for r in results if isinstance(r, AgentMiss)]
+        )

@@ -8,7 +8,8 @@ package (never typed by hand):
 - `formats.json`: the log and error messages the agent recognises, with the file:line they
   come from (vLLM's Python source, or torch's shared libraries for the allocator's messages);
 - `engine.json`: KV facts (the null block the block pool holds back, the default block size,
-  the KV cache dtypes vLLM knows).
+  the KV cache dtypes vLLM knows), and `weights_download_log`: the seconds above which vLLM
+  logs how long downloading the weights took (the sandbox prints that line from it).
 
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.

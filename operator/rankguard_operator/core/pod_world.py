@@ -1,0 +1,138 @@
+"""What the serving pods' surroundings add to a pass: the model cache's claim, the agents that
+do not report, and the GPU size the nodes' labels state.
+
+`reconcile.step` calls three functions here, so the step itself grows by a few lines:
+
+* `claim_effects`: the `ApplyClaim` to carry out before anything is rolled.
+* `node_gpu`: one GPU's size from the nodes' GPU Feature Discovery labels (core/gpu_labels),
+  where the spec does not give it.
+* `settle`: the ModelCacheReady and AgentReady conditions, and one Event per change of
+  either's reason (not per pass: the previous condition, as stored, says what was said).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rankguard_operator.core import agent_ready, model_cache
+from rankguard_operator.core.conditions import Condition, condition, drop_condition, set_condition
+from rankguard_operator.core.effects import ApplyClaim, PostEvent
+from rankguard_operator.core.gpu_labels import NodeGpu, gpu_from_nodes
+from rankguard_operator.core.headroom import Observation
+from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.step_io import World
+
+
+def claim_effects(
+    world: World, spec: ServiceSpec, *, first_pass: bool, observed_generation: int | None
+) -> list[ApplyClaim]:
+    """Apply the claim rankguard creates when it is missing, on the first pass and after every
+    generation (as the Service is), before the Deployment needs it."""
+    body = model_cache.claim_to_apply(
+        spec,
+        world.name,
+        world.namespace,
+        world.uid,
+        world.cache_claim,
+        spec_changed=first_pass or world.generation != observed_generation,
+    )
+    return [] if body is None else [ApplyClaim(body)]
+
+
+def node_gpu(world: World, spec: ServiceSpec) -> NodeGpu | None:
+    """One GPU's (or MIG slice's) size from the serving pods' nodes' labels; None when the spec
+    gives the size (it wins) or no node says."""
+    if spec.memory.gpu_memory_bytes is not None:
+        return None
+    return gpu_from_nodes(world.node_labels, spec.resources.gpu_resource_name)
+
+
+EventRule = Callable[
+    [Mapping[str, Any] | None, str, str], tuple[Literal["Normal", "Warning"], str, str] | None
+]
+
+
+@dataclass(frozen=True)
+class Settled:
+    conditions: list[dict[str, Any]]
+    events: tuple[PostEvent, ...]
+    agents_unavailable: tuple[str, ...]
+
+
+def settle(
+    conditions: Sequence[Mapping[str, Any]],
+    world: World,
+    spec: ServiceSpec,
+    *,
+    current_hash: str | None,
+    observation: Observation,
+    reported_pods: Sequence[str],
+    now_iso: str,
+    unavailable_after: float,
+) -> Settled:
+    """ModelCacheReady and AgentReady set on `conditions` (the status being built; each
+    condition as stored before this pass is in it still), with their Events."""
+    conds = [dict(c) for c in conditions]
+    events: list[PostEvent] = []
+
+    def put(type_: Condition, status: str, reason: str, message: str, event: EventRule) -> None:
+        nonlocal conds
+        said = event(condition(conds, type_), reason, message)
+        if said is not None:
+            events.append(PostEvent(*said, repeat=True))
+        conds = set_condition(conds, type_, status, reason, message, now_iso, world.generation)
+
+    cache = spec.model_cache
+    if cache is None:
+        conds = drop_condition(conds, model_cache.CONDITION)
+    else:
+        put(
+            model_cache.CONDITION,
+            *model_cache.condition(cache, world.name, world.namespace, world.cache_claim),
+            model_cache.event,
+        )
+
+    verdict = agent_ready.verdict(
+        world.pods,
+        current_hash,
+        fresh_pods=observation.fresh_pods,
+        reported_pods=reported_pods,
+        misses=world.agent_misses,
+        now=world.now,
+        bound=unavailable_after,
+    )
+    if verdict is not None:
+        put(agent_ready.CONDITION, verdict.status, verdict.reason, verdict.message, agent_ready.event)
+    elif not agent_ready.keeps(condition(conds, agent_ready.CONDITION)):
+        put(agent_ready.CONDITION, *agent_ready.waiting(), agent_ready.event)
+    return Settled(conds, tuple(events), () if verdict is None else verdict.unavailable)
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What the edge must read for a pass besides the Deployment and the reports."""
+
+    claim: str | None = None  # spec.modelCache's claim
+    nodes: tuple[str, ...] = ()  # the serving pods' nodes, for their GPU labels
+
+
+def reads(world_spec: Mapping[str, Any], name: str, pods: Sequence[Mapping[str, Any]]) -> Reads:
+    """The claim to read (with a model cache) and the nodes whose labels may size the GPU (when
+    the spec does not give it): every node a serving pod is scheduled on. Nothing when the spec
+    cannot be read (the step says why)."""
+    try:
+        spec = parse_spec(world_spec)
+    except SpecError:
+        return Reads()
+    nodes: set[str] = set()
+    if spec.memory.gpu_memory_bytes is None:
+        for p in pods:
+            node = (p.get("spec") or {}).get("nodeName")
+            if isinstance(node, str) and node:
+                nodes.add(node)
+    claim = None if spec.model_cache is None else spec.model_cache.claim(name)
+    return Reads(claim, tuple(sorted(nodes)))

@@ -1,0 +1,137 @@
+"""The inputs and outputs of one reconcile step (`Settings`, `World`, `Step`) and the small pure
+helpers around it: times, termination keys, the remediation id a Deployment carries, the
+Deployment as it stands after an apply, and which pods to scrape. Split from `reconcile` so
+the step itself reads top to bottom; `reconcile` re-exports everything here.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankguard_agent.report import Report
+from rankguard_operator.core import observe, policy
+from rankguard_operator.core.agent_ready import AgentMiss
+from rankguard_operator.core.effects import Effect
+from rankguard_operator.core.model_source import ConfigRead
+from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
+from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.spec import SpecError, parse_spec
+
+HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator was configured with that a step needs (built once at start-up)."""
+
+    agent_image: str
+    stale_after: float = 30.0  # seconds after which an agent report is too old to act on
+    agent_unavailable_after: float = 60.0  # a ready pod without a report this long: AgentReady False
+
+
+ReportInput = tuple[str, Report, float]  # (pod name, validated report, received at)
+
+
+@dataclass(frozen=True)
+class World:
+    """What the edge observed for one pass."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]  # the LLMService's spec as stored (the API server defaulted it)
+    now: float
+    new_id: str  # the id a remediation decided in this step will carry (the edge makes it)
+    deployment: Mapping[str, Any] | None = None
+    pods: Sequence[Mapping[str, Any]] = ()
+    reports: Sequence[ReportInput] = ()
+    model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
+    cache_claim: Mapping[str, Any] | None = None  # spec.modelCache's claim as read (None: not there)
+    agent_misses: Sequence[AgentMiss] = ()  # why scraped pods sent no valid report (core/agent_ready)
+    node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # serving pods' nodes
+
+
+@dataclass(frozen=True)
+class Step:
+    state: ServiceState  # the state after every effect has been carried out
+    effects: tuple[Effect, ...]
+    decision: policy.Decision | None = None  # None when the spec was refused
+    phase: str = ""
+    agents_unavailable: tuple[str, ...] = ()  # ready pods past the bound without a report
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_keys(keys: Sequence[str], more: Sequence[str]) -> tuple[str, ...]:
+    """`keys` + the new ones of `more`, in order, the newest HANDLED_LIMIT kept."""
+    out = list(keys)
+    for k in more:
+        if k not in out:
+            out.append(k)
+    return tuple(out[-HANDLED_LIMIT:])
+
+
+def remediation_id_of(deployment: Mapping[str, Any] | None) -> str | None:
+    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+    v = annotations.get(REMEDIATION_ID_ANNOTATION)
+    return v if isinstance(v, str) else None
+
+
+def after_apply(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> dict[str, Any]:
+    """The Deployment as the API server will hold it right after `applied` lands: its spec and
+    metadata, the live status, and a new generation when the spec changed, which the
+    controller has not observed yet (so the rollout reads as progressing)."""
+    live_meta = (live or {}).get("metadata") or {}
+    live_gen = live_meta.get("generation")
+    gen = live_gen if isinstance(live_gen, int) else 0
+    if live is None or live.get("spec") != applied.get("spec"):
+        gen += 1
+    return {
+        **applied,
+        "metadata": {**applied.get("metadata", {}), "generation": gen},
+        "status": dict((live or {}).get("status") or {}),
+    }
+
+
+def same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], replicas: int) -> bool:
+    """The live Deployment already runs what we would render (the hash covers the template)."""
+    if live is None:
+        return False
+    live_replicas = (live.get("spec") or {}).get("replicas")
+    return observe.deployment_template_hash(live) == observe.deployment_template_hash(want) and (
+        live_replicas == replicas
+    )
+
+
+def scrape_targets(
+    world_spec: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, int]]:
+    """(pod, IP, agent port) of the pods worth scraping: ready, with an IP, created from the
+    template the Deployment holds now. `step` keeps only the reports of the template it wants,
+    so this is an economy, not a decision. Empty when the spec cannot be read."""
+    try:
+        port = parse_spec(world_spec).agent.port
+    except SpecError:
+        return []
+    live = observe.deployment_template_hash(deployment)
+    out = []
+    for p in pods:
+        ip = observe.pod_ip(p)
+        if ip and observe.pod_ready(p) and live is not None and observe.carried_template_hash(p) == live:
+            out.append((str(p["metadata"]["name"]), ip, port))
+    return out
