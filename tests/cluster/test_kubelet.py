@@ -1,4 +1,8 @@
-"""The process kubelet against the real control plane: pods run, report and stop like a kubelet's."""
+"""The process kubelet against the real control plane: pods run, report and stop like a kubelet's.
+
+(Over 450 lines because each kubelet duty, from admission to graceful deletion, is one story
+against the same node and control plane; the pure rules are in tests/unit/test_kubelet_pure.py.)
+"""
 
 from __future__ import annotations
 

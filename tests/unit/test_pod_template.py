@@ -297,3 +297,16 @@ def test_the_operator_refuses_what_rankguard_owns(case: str, changes: dict[str, 
 
 def test_the_template_of_a_parsed_spec_stays_hashable() -> None:
     assert hash(spec_of(template=TEMPLATE)) == hash(spec_of(template=copy.deepcopy(TEMPLATE)))
+
+
+def test_a_slow_first_download_gets_the_start_up_time_it_needs() -> None:
+    spec = spec_of(engine={"maxModelLen": 8192, "startupTimeoutSeconds": 7205})
+    deployment = render(spec)
+    [c] = deployment["spec"]["template"]["spec"]["containers"]
+    probe = c["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 7205
+    assert probe["failureThreshold"] == 721
+    # the Deployment's progress deadline outlasts the probe and the agent's own probe
+    assert deployment["spec"]["progressDeadlineSeconds"] == 7210 + 600
+    with pytest.raises(SpecError, match="startupTimeoutSeconds"):
+        spec_of(engine={"startupTimeoutSeconds": 5})

@@ -25,6 +25,7 @@ from rankguard_sim.image import pynvml_file
 from rankguard_sim.scenario_file import SCENARIO_ENV, builtin_dir, load_scenario
 from rankguard_sim.vllm_sandbox import engine_pynvml, weight_downloads
 from rankguard_sim.vllm_snapshot import download_log_seconds, message, snapshot
+from rankguard_sim.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
@@ -86,17 +87,18 @@ class Pod:
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env(hf_home, **env))
         self.procs.append(proc)
-        deadline = started + 90
-        while True:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
             try:
                 with urllib.request.urlopen(f"http://{POD_IP}:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except (urllib.error.URLError, OSError):
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+                return False
+
+        wait_for(
+            "the fake vLLM to serve /health", healthy, 90, every=0.05, dump=lambda: log.read_text()[-3000:]
+        )
         ready = time.monotonic() - started
         with urllib.request.urlopen(f"http://{POD_IP}:{port}/metrics", timeout=2) as r:
             self.metrics = r.read().decode()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from rankguard_sim.image import build_image
 from rankguard_sim.pod_python import pod_address, split_options
+from rankguard_sim.waiting import wait_for
 
 POD_A, POD_B = "127.0.0.201", "127.0.0.202"
 
@@ -196,14 +196,15 @@ def get(url: str) -> str:
 
 
 def wait_get(url: str, timeout: float = 20) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    def answer() -> str | None:
         try:
             return get(url)
         except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return None
+
+    got = wait_for(f"{url} to answer", answer, timeout, every=0.05)
+    assert isinstance(got, str)
+    return got
 
 
 def test_two_pods_both_bind_the_wildcard_on_one_port_each_on_its_own_ip(

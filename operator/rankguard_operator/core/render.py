@@ -53,13 +53,17 @@ from rankguard_operator.core.pod_template import CACHE_ENV, apply_template
 from rankguard_operator.core.spec import ServiceSpec
 from rankguard_operator.core.units import format_quantity
 
-# Loading a 70B-405B model and capturing CUDA graphs can take many minutes; the startup probe
-# must not kill it (30 min here), and the Deployment's progress deadline must outlast the
-# startup probe plus the agent's own probe (300 s by default), or every slow start would be
-# reported as a failed rollout and rolled back.
+# Downloading and loading a 70B-405B model and capturing CUDA graphs can take many minutes;
+# the startup probe must not kill it (spec.engine.startupTimeoutSeconds, 30 min by default), and
+# the Deployment's progress deadline must outlast the startup probe plus the agent's own probe
+# (300 s by default), or every slow start would be reported as a failed rollout and rolled back.
 STARTUP_PROBE_PERIOD_SECONDS = 10
-STARTUP_PROBE_FAILURE_THRESHOLD = 180
-PROGRESS_DEADLINE_SECONDS = STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURE_THRESHOLD + 600
+PROGRESS_DEADLINE_MARGIN_SECONDS = 600
+
+
+def _startup_failures(spec: ServiceSpec) -> int:
+    return -(-spec.engine.startup_timeout_seconds // STARTUP_PROBE_PERIOD_SECONDS)  # ceil
+
 
 # --------------------------------------------------------------------------------------------
 # vLLM and agent command lines
@@ -246,7 +250,7 @@ def _pod_spec(
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "readinessProbe": _health_probe(2, 3, 2),
-        "startupProbe": _health_probe(STARTUP_PROBE_PERIOD_SECONDS, STARTUP_PROBE_FAILURE_THRESHOLD, 5),
+        "startupProbe": _health_probe(STARTUP_PROBE_PERIOD_SECONDS, _startup_failures(spec), 5),
         # No livenessProbe: when the engine dies vLLM exits, the launcher exits with it and the
         # kubelet restarts the container; a liveness probe would only kill a busy, healthy engine.
         # Not runAsNonRoot: the upstream vLLM images run as root, and GPU access needs no privilege.
@@ -348,7 +352,8 @@ def render_deployment(
             # place, one pod at a time, instead.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "revisionHistoryLimit": 10,
-            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "progressDeadlineSeconds": STARTUP_PROBE_PERIOD_SECONDS * _startup_failures(spec)
+            + PROGRESS_DEADLINE_MARGIN_SECONDS,
             "template": {
                 "metadata": {
                     "labels": dict(pod_labels),

@@ -89,6 +89,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_GPUS_PER_REPLICA = 64
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
 LISTEN_ADDRESSES = ("0.0.0.0", "::")
 
 
@@ -112,6 +113,7 @@ class EngineSpec:
     enforce_eager: bool = False
     logits_mode: str = "all-gather"
     extra_args: tuple[str, ...] = ()
+    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_SECONDS  # the startup probe's budget
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,9 @@ def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
         enforce_eager=bool_field(e, "enforceEager", w, False),
         logits_mode=choice_field(e, "logitsMode", w, "all-gather", LOGITS_MODES),
         extra_args=tuple(raw_extra),
+        startup_timeout_seconds=required_int(
+            e, "startupTimeoutSeconds", w, DEFAULT_STARTUP_TIMEOUT_SECONDS, lo=60, hi=86400
+        ),
     )
 
 
