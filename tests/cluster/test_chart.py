@@ -1,8 +1,5 @@
 """The Helm chart against real Helm and a real API server.
 
-(Over 450 lines because every install shape is held against one Helm and one API server
-started once for the module; the shapes share their fixtures and read as one table.)
-
 - `helm lint --strict` and `helm template` are clean for every install shape; Helm's own
   schema validation refuses unknown and mistyped values.
 - the chart's CRD is crds/llmservice.yaml, in `helm template --include-crds`, `helm show crds`

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -137,7 +138,7 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
         "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n"
     )
     env = dict(sim_env, PYTHONPATH=f"{AGENT_ROOT}{os.pathsep}{site}")
-    tlog, go = tmp_path / "tl", tmp_path / "go"
+    tlog = tmp_path / "tl"
     lines = [
         worker_report("Worker_TP0", 16 * GIB, 60_000_000_000),
         worker_report("Worker_TP1", 17 * GIB, 61_000_000_000),
@@ -145,12 +146,12 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
     ]
     child = py(
         f"""
-        import os, sys, time
+        import signal, sys
+        signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))  # the test's "done", forwarded
         for line in {lines!r}:
             print(line, file=sys.stderr, flush=True)
-        deadline = time.monotonic() + 120  # the test touches the go file, or kills this child
-        while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the poll interval of a wait bounded by the deadline
+        while True:
+            signal.pause()
         """
     )
     proc = await start(launcher_cmd(tlog, [*child, "--tensor-parallel-size", "2"]), env)
@@ -165,7 +166,7 @@ async def test_report_carries_the_engine_version_and_each_ranks_engine_memory(
             17 * GIB,
         ]
         assert 'rankguard_agent_unparsed_lines_total{kind="worker_memory_report"} 1.0' in metrics
-        go.touch()
+        proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to the engine, which exits 0
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
         await stop(proc)

@@ -28,6 +28,7 @@ from rankguard_agent.launcher import engine_env
 from rankguard_sim.agent_install import BUNDLE_ENV, ENTRY
 from rankguard_sim.image import AGENT_ENTRY, build_image
 from rankguard_sim.kubelet import ProcessKubelet
+from rankguard_sim.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,15 +111,15 @@ async def get_when_served(url: str, timeout: float = 30) -> tuple[int, bytes]:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
+    def answer() -> tuple[int, bytes] | None:
         try:
-            return await asyncio.to_thread(get)
+            return get()
         except (urllib.error.URLError, ConnectionError):
-            if loop.time() > deadline:
-                raise
-        await asyncio.sleep(0.05)  # the poll interval of a wait bounded by the deadline
+            return None  # nothing listens there yet
+
+    got = await asyncio.to_thread(wait_for, f"{url} to answer", answer, timeout, 0.05)
+    assert isinstance(got, tuple)
+    return got
 
 
 def engine_code(tmp_path: Path, ready: str, then: str) -> list[str]:
@@ -227,7 +228,7 @@ async def test_the_fallback_forwards_sigterm_and_passes_the_engines_exit_on(
     tmp_path: Path, handler: str, expected: int
 ) -> None:
     bundle, engine_pid = make_bundle(tmp_path), None
-    engine = engine_code(tmp_path, handler, "time.sleep(120)\nsys.exit(9)")
+    engine = engine_code(tmp_path, handler, "signal.pause()\nsys.exit(9)")
     cmd = entry_cmd(bundle, NO_SITE, "--port", "0", engine=engine)
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path

@@ -30,6 +30,7 @@ AGENT_MOUNT_PATH = "/opt/rankguard/agent"
 # starts vLLM anyway when the agent itself cannot start.
 AGENT_ENTRY = f"{AGENT_MOUNT_PATH}/rankguard-agent"
 SHM_VOLUME = "dshm"
+SHM_MOUNT_PATH = "/dev/shm"
 CACHE_VOLUME = "model-cache"
 TERMINATION_LOG = "/dev/termination-log"
 VLLM_HTTP_PORT = 8000

@@ -29,6 +29,7 @@ from rankguard_operator.core.names import (
     CACHE_VOLUME,
     LLMSERVICE_LABEL,
     MANAGED_BY_LABEL,
+    SHM_MOUNT_PATH,
     SHM_VOLUME,
     VLLM_CONTAINER,
 )
@@ -83,7 +84,7 @@ RESERVED_ENV = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "RANKGUARD_LLMSERVICE", "
 CACHE_ENV = "HF_HOME"
 RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", MANAGED_BY_LABEL)
 RESERVED_VOLUMES = (AGENT_VOLUME, SHM_VOLUME, CACHE_VOLUME)
-RESERVED_MOUNTS = ("/dev/shm", AGENT_MOUNT_PATH)
+RESERVED_MOUNTS = (SHM_MOUNT_PATH, AGENT_MOUNT_PATH)
 _OWN_PREFIX = LLMSERVICE_LABEL.split("/", 1)[0] + "/"  # rankguard.io/
 _APPENDED = ("volumes", "imagePullSecrets", "tolerations", "topologySpreadConstraints", "hostAliases")
 

@@ -45,7 +45,7 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.flags import ServingFlags
-from rankguard_operator.core.gpu_labels import planning_gpu_bytes, slice_bytes
+from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.history import history_from_status
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
@@ -100,12 +100,11 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     try:
         spec = parse_spec(world.spec)
         model = model_source.resolve(spec, world.model_config, state.learned_model)
-        prior = prior_plan(
-            spec, planning_gpu_bytes(state.gpu_memory_bytes, pod_world.node_gpu(world, spec)), model
-        )
+        node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+        prior = prior_plan(spec, planning_gpu_bytes(state.gpu_memory_bytes, node_gpu), model)
     except SpecError as e:
         return invalid_spec(state, world, str(e))
-    return _Pass(state, world, settings, spec, prior, model).run()
+    return _Pass(state, world, settings, spec, prior, model, node_gpu=node_gpu).run()
 
 
 class _Pass:
@@ -119,6 +118,8 @@ class _Pass:
         spec: ServiceSpec,
         prior: Plan | None,
         model: model_source.ModelResolution,
+        *,
+        node_gpu: NodeGpu | None,
     ) -> None:
         self.state, self.world, self.settings, self.spec, self.prior = state, world, settings, spec, prior
         self.model, self.learned = model, state.learned_model
@@ -134,7 +135,7 @@ class _Pass:
         # what the last pass rendered with; this pass's engine view may lower it
         self.key = budget_key(spec)
         self.startup_free = state.kept_engine(self.key)[1]
-        self.node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+        self.node_gpu = node_gpu
 
     def gpu(self, learned: int | None) -> int | None:
         """One GPU's size for the plans: the agents' figure or the nodes' labels (core/gpu_labels)."""

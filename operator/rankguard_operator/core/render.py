@@ -38,6 +38,7 @@ from rankguard_operator.core.names import (
     AGENT_VOLUME,
     CACHE_VOLUME,
     FLAGS_ANNOTATION,
+    SHM_MOUNT_PATH,
     SHM_VOLUME,
     TEMPLATE_HASH_ANNOTATION,
     TERMINATION_LOG,
@@ -242,7 +243,7 @@ def _pod_spec(
         "resources": _resources(spec, flags),
         "volumeMounts": [
             {"name": AGENT_VOLUME, "mountPath": AGENT_MOUNT_PATH, "readOnly": True},
-            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},
             *_cache_mounts(spec),
         ],
         # The launcher writes a JSON termination message (rank, bytes requested/free); if it

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.names import GPU_RESOURCE, VLLM_HTTP_PORT, cache_claim_name
+from rankguard_operator.core.pod_template import RESERVED_MOUNTS
 from rankguard_operator.core.spec_fields import (
     SpecError,
     bool_field,
@@ -135,21 +136,22 @@ def parse_model_cache(spec: Mapping[str, Any]) -> ModelCacheSpec | None:
             )
         modes = tuple(dict.fromkeys(raw_modes))
     mount = str_field(c, "mountPath", w, DEFAULT_CACHE_MOUNT) or DEFAULT_CACHE_MOUNT
+    path = mount.rstrip("/")
     if (
         not mount.startswith("/")
-        or mount.rstrip("/") in ("", "/dev/shm")
-        or mount.rstrip("/").startswith("/opt/rankguard/agent")
+        or not path
+        or any(path == m or path.startswith(m + "/") for m in RESERVED_MOUNTS)
     ):
         raise SpecError(
-            f"spec.modelCache.mountPath {mount!r} must be an absolute path other than /, /dev/shm and the "
-            "agent's /opt/rankguard/agent"
+            f"spec.modelCache.mountPath {mount!r} must be an absolute path other than /, "
+            f"{' and '.join(RESERVED_MOUNTS)}: rankguard mounts its own volumes there"
         )
     return ModelCacheSpec(
         claim_name=claim,
         size_bytes=size,
         storage_class=storage_class,
         access_modes=modes,
-        mount_path=mount.rstrip("/"),
+        mount_path=path,
     )
 
 

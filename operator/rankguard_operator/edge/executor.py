@@ -48,10 +48,10 @@ NODE_LABELS_SECONDS = 300.0
 
 class NodeLabels:
     """The labels of the nodes serving pods run on, read one Node at a time and kept for
-    NODE_LABELS_SECONDS. They only size the GPU before the agents have measured it, so no
-    failure to read them stops a pass: a 403 (a namespaced install may not read Nodes,
-    docs/rbac.md) is logged once per operator and retried after the same period; an API
-    hiccup keeps what was read before."""
+    NODE_LABELS_SECONDS (one instance, NODE_LABELS, for every LLMService). They only size the
+    GPU before the agents have measured it, so no failure to read them stops a pass: a 403 (a
+    namespaced install may not read Nodes, docs/rbac.md) is logged once per operator and
+    retried after the same period; an API hiccup keeps what was read before."""
 
     forbidden_logged = False  # one log line per operator, not per LLMService
 
@@ -61,7 +61,8 @@ class NodeLabels:
 
     async def labels(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         now = time.monotonic()
-        self._read = {n: v for n, v in self._read.items() if n in names}
+        # shared by every LLMService: a node read for one serves the others on it
+        self._read = {n: v for n, v in self._read.items() if now - v[0] < NODE_LABELS_SECONDS}
         forbidden = self._forbidden_at is not None and now - self._forbidden_at < NODE_LABELS_SECONDS
         for name in names:
             kept = self._read.get(name)
@@ -86,7 +87,11 @@ class NodeLabels:
                 continue
             raw = ((node or {}).get("metadata") or {}).get("labels") or {}
             self._read[name] = (now, {str(k): str(v) for k, v in raw.items()})
-        return {n: v[1] for n, v in self._read.items()}
+        return {n: self._read[n][1] for n in names if n in self._read}
+
+
+# One cache for the operator: many services run on the same GPU nodes.
+NODE_LABELS = NodeLabels()
 
 
 class ServiceExecutor:
@@ -95,7 +100,7 @@ class ServiceExecutor:
     def __init__(self, name: str, namespace: str, settings: reconcile.Settings) -> None:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
-        self.nodes = NodeLabels()
+        self.nodes = NODE_LABELS
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
         self._written: tuple[str, reconcile.ServiceState] | None = None  # (rv of our write, state)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
