@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install testbin lint typecheck unit cluster e2e test demo demo-down bench clean
+.PHONY: install testbin lint typecheck unit cluster e2e faults test demo demo-down bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,7 +35,10 @@ cluster: install testbin
 e2e: install testbin
 	$(BIN)/pytest tests/e2e -q $(PYTEST_ARGS)
 
-test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e (gpu tests skip without a GPU)
+faults: install testbin  ## the fault drills alone (docs/reliability.md)
+	$(BIN)/pytest tests/faults -q -s $(PYTEST_ARGS)
+
+test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e, faults (gpu tests skip without a GPU)
 	$(BIN)/pytest tests -q -ra $(PYTEST_ARGS)
 
 demo: install testbin  ## the local demo: control plane + process kubelet + operator + a Llama-3-70B TP4 service

@@ -24,6 +24,11 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "strategies": ("compare_strategies.py", [], ["--no-trace"]),
     "agent": ("agent_bench.py", [], ["--seconds", "5", "--requests", "100"]),
     "reaction": ("operator_reaction.py", [], ["--trials", "5"]),
+    "scale": (
+        "operator_scale.py",
+        [],
+        ["--services", "10", "--window", "20", "--settle", "5", "--changes", "5", "--report-changes", "5"],
+    ),
 }
 
 

@@ -127,6 +127,9 @@ class ControlPlane:
     components: list[Component] = field(default_factory=list)
     owns_workdir: bool = False
     provisioner: LocalProvisioner | None = None
+    # Where the API server writes its audit log (one JSON line per request, Metadata level), so
+    # a benchmark can count the requests of one client; None = no audit log.
+    audit_log: Path | None = None
 
     @property
     def volumes_dir(self) -> Path:
@@ -154,6 +157,7 @@ class ControlPlane:
         apiserver_port: int | None = None,
         *,
         storage: bool = True,
+        audit_log: Path | None = None,
     ) -> ControlPlane:
         bindir = testbin_dir()
         owns = workdir is None
@@ -170,6 +174,7 @@ class ControlPlane:
             kubeconfig=wd / "kubeconfig",
             logs=logs,
             owns_workdir=owns,
+            audit_log=audit_log,
         )
         try:
             cp._start_all(timeout)
@@ -235,13 +240,15 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={p.sa_pub}",
                 f"--service-account-signing-key-file={p.sa_key}",
-                "--service-cluster-ip-range=10.0.0.0/24",
+                # /16: room for thousands of Services (the scale benchmark runs 1,000 LLMServices)
+                "--service-cluster-ip-range=10.0.0.0/16",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
                 "--v=1",
+                *self._audit_args(),
             ],
             self.logs / "kube-apiserver.log",
         )
@@ -296,6 +303,44 @@ class ControlPlane:
         )
         # Pods in "default" need its ServiceAccount, which the controller-manager creates.
         self._wait(cm, lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"), timeout)
+
+    def _audit_args(self) -> list[str]:
+        if self.audit_log is None:
+            return []
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(
+            json.dumps({"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "rules": [{"level": "Metadata"}]})
+        )
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s",
+            "--audit-log-maxbackup=0",
+        ]
+
+    def component(self, name: str) -> Component:
+        """One of etcd, kube-apiserver, kube-controller-manager, kube-scheduler (for fault drills:
+        `cp.component("etcd").stop()`, then `cp.restart("etcd")`)."""
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}; there are {[c.name for c in self.components]}")
+
+    def restart(self, name: str, timeout: float = READY_TIMEOUT) -> None:
+        """Start a stopped component again with the same arguments (same ports, same data), and
+        wait until the API server answers /readyz again."""
+        c = self.component(name)
+        if not c.alive():
+            c.start()
+        deadline = time.monotonic() + timeout
+        while not self._api_ok("/readyz"):
+            if not c.alive():
+                raise ControlPlaneError(f"{c.name} exited on restart (see {c.log}):\n{c.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"the API server was not ready {timeout:.0f}s after {name} restarted")
+            time.sleep(0.2)
 
     def _launch(self, c: Component) -> None:
         self.components.append(c)

@@ -83,6 +83,36 @@ def gfd_labels(
 # ------------------------------------------------------------------------------ the Node
 
 
+def kubelet_conditions(now: str) -> list[dict[str, Any]]:
+    """The conditions a healthy kubelet posts: Ready, and no pressure of any kind."""
+    pressure = (
+        ("MemoryPressure", "SufficientMemory"),
+        ("DiskPressure", "NoDiskPressure"),
+        ("PIDPressure", "SufficientPID"),
+    )
+    return [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "rankguard process kubelet is posting ready status",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        },
+        *[
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"KubeletHas{r}",
+                "message": "",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for t, r in pressure
+        ],
+    ]
+
+
 def node_status(
     gpus: int, memory: str, cpu: str, address: str, resources: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
@@ -91,31 +121,7 @@ def node_status(
     return {
         "capacity": capacity,
         "allocatable": dict(capacity),
-        "conditions": [
-            {
-                "type": "Ready",
-                "status": "True",
-                "reason": "KubeletReady",
-                "message": "rankguard process kubelet is posting ready status",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            },
-            *[
-                {
-                    "type": t,
-                    "status": "False",
-                    "reason": f"KubeletHas{r}",
-                    "message": "",
-                    "lastHeartbeatTime": now,
-                    "lastTransitionTime": now,
-                }
-                for t, r in (
-                    ("MemoryPressure", "SufficientMemory"),
-                    ("DiskPressure", "NoDiskPressure"),
-                    ("PIDPressure", "SufficientPID"),
-                )
-            ],
-        ],
+        "conditions": kubelet_conditions(now),
         "addresses": [{"type": "InternalIP", "address": address}, {"type": "Hostname", "address": address}],
         "nodeInfo": {
             "architecture": "amd64",
@@ -189,13 +195,15 @@ def heartbeat(api: client.ApiClient, name: str) -> None:
         )
     core = client.CoreV1Api(api)
     node = core.read_node_status(name)
-    conditions = []
-    for c in node.status.conditions or []:
-        d = api.sanitize_for_serialization(c)
-        d["lastHeartbeatTime"] = now.isoformat()
-        conditions.append(d)
-    if conditions:
-        core.patch_node_status(name, {"status": {"conditions": conditions}})
+    # Post what a healthy kubelet posts, not what the node holds: after an API outage the node
+    # controller has set every condition Unknown, and copying that back would keep it so.
+    held = {c.type: c for c in node.status.conditions or []}
+    conditions = kubelet_conditions(now.isoformat())
+    for c in conditions:
+        before = held.get(c["type"])
+        if before is not None and before.status == c["status"] and before.last_transition_time:
+            c["lastTransitionTime"] = api.sanitize_for_serialization(before.last_transition_time)
+    core.patch_node_status(name, {"status": {"conditions": conditions}})
 
 
 def node_schedulable(api: client.ApiClient, name: str) -> bool:

@@ -41,16 +41,22 @@ class OperatorProcess:
     env_extra: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     liveness_port: int = 0
+    # Serve the operator's Prometheus metrics on a free loopback port (`metrics_url`); off by
+    # default, so parallel sandboxes never race for a port they do not read.
+    metrics: bool = False
+    metrics_port: int = 0
 
     def start(self) -> None:
         self.liveness_port = free_port()
+        self.metrics_port = free_port() if self.metrics else 0
         env = dict(os.environ)
         env.update(
             {
                 "KUBECONFIG": str(self.kubeconfig),
                 "RANKGUARD_LIVENESS_PORT": str(self.liveness_port),
                 "RANKGUARD_LIVENESS_HOST": "127.0.0.1",
-                "RANKGUARD_METRICS_PORT": "0",
+                "RANKGUARD_METRICS_PORT": str(self.metrics_port),
+                "RANKGUARD_METRICS_HOST": "127.0.0.1",
                 "RANKGUARD_SCRAPE_INTERVAL": "1",
                 "RANKGUARD_AGENT_IMAGE": "ghcr.io/rankguard/agent:0.1.0",
                 "PYTHONUNBUFFERED": "1",
@@ -81,6 +87,35 @@ class OperatorProcess:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"the operator was not live after {timeout:.0f}s; see {self.log}")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def metrics_url(self) -> str:
+        if not self.metrics_port:
+            raise RuntimeError("metrics are off: create the OperatorProcess with metrics=True")
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics_text(self, timeout: float = 5) -> str:
+        """The operator's /metrics page as Prometheus' text format."""
+        import urllib.request  # noqa: PLC0415
+
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout) as r:
+            return str(r.read().decode())
+
+    def kill(self) -> None:
+        """SIGKILL the operator's whole process group, as a node failure or the OOM killer
+        would: no shutdown handler runs. `start()` runs it again (fault drills)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
 
     def stop(self, grace: float = 15) -> None:
         if self.proc is None or self.proc.poll() is not None:

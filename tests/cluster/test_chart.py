@@ -53,6 +53,7 @@ DOCUMENTED: frozenset[tuple[str, str]] = frozenset(
     + [("deployments.apps", v) for v in ("get", "list", "watch", "create", "patch")]
     + [("services", v) for v in ("get", "list", "watch", "create", "patch")]
     + [("pods", v) for v in ("get", "list", "watch")]
+    + [("replicasets.apps", v) for v in ("get", "list", "watch")]
     + [("configmaps", "get")]
     + [("persistentvolumeclaims", v) for v in ("get", "create", "patch")]
     + [("events", v) for v in ("create", "patch")]

@@ -88,6 +88,11 @@ VALID: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("scaled-to-zero", with_spec(replicas=0)),
     ("no-cooldown", with_spec(remediation={"cooldownSeconds": 0})),
     ("floor-equals-ceiling", with_spec(remediation={"minKVCacheBytes": 2**30, "maxKVCacheBytes": 2**30})),
+    ("pinned-at-the-minimum", with_spec(memory={"kvCacheMemoryBytes": 2**20})),
+    (
+        "floor-below-gpu",
+        with_spec(memory={"gpuMemoryBytes": 80 * 2**30}, remediation={"minKVCacheBytes": 79 * 2**30}),
+    ),
     (
         "pinned-inside-bounds",
         with_spec(
@@ -183,6 +188,17 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "pinned-above-ceiling",
         with_spec(memory={"kvCacheMemoryBytes": 8 * 2**30}, remediation={"maxKVCacheBytes": 4 * 2**30}),
         "memory.kvCacheMemoryBytes is above remediation.maxKVCacheBytes",
+    ),
+    (
+        "pinned-one-byte",
+        with_spec(memory={"kvCacheMemoryBytes": 1}),
+        "memory.kvCacheMemoryBytes must be at least 1048576 (1 MiB): it is in bytes, per GPU",
+    ),
+    (
+        "floor-above-gpu",
+        with_spec(memory={"gpuMemoryBytes": 80 * 2**30}, remediation={"minKVCacheBytes": 15 * 2**39}),
+        "remediation.minKVCacheBytes (the floor of the per-GPU KV budget) must be smaller than "
+        "memory.gpuMemoryBytes",
     ),
     (
         "pinned-above-gpu",

@@ -121,6 +121,9 @@ def operator_env(cluster: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     monkeypatch.setenv("RANKGUARD_METRICS_PORT", "0")
     monkeypatch.setenv("RANKGUARD_SCRAPE_INTERVAL", str(SCRAPE_INTERVAL))
+    # Idle services pass only on events or every resync; "the loop looked" (QUIET_PASSES) needs
+    # passes while the pods here sit unscheduled (this test plays the kubelet), so as often.
+    monkeypatch.setenv("RANKGUARD_RESYNC_INTERVAL", str(SCRAPE_INTERVAL))
     # The kubernetes client reads KUBECONFIG once, when it is imported (long before this test);
     # k8s.login() calls load_kube_config() without a path, so point the default at our cluster.
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(cluster.kubeconfig))

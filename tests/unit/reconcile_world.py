@@ -49,6 +49,23 @@ def cuda_oom_record(rank: int = 0) -> dict[str, Any]:
     return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
 
 
+def engine_error_record(detail: str = "ValueError: the engine refused its configuration") -> dict[str, Any]:
+    """A run that ended with an engine error (no memory cause), as the launcher writes it."""
+    message = tm.TerminationMessage(reason=tm.ENGINE_ERROR, exit_code=1, detail=detail).to_json()
+    return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+
+
+def kv_too_small_record() -> dict[str, Any]:
+    """vLLM refused to start: one request of max_model_len does not fit the KV budget."""
+    message = tm.TerminationMessage(
+        reason=tm.KV_CACHE_TOO_SMALL,
+        exit_code=1,
+        detail="ValueError: To serve at least one request with the models's max seq len (8192), "
+        "(1.00 GiB KV cache is needed, which is larger than the available KV cache memory (0.50 GiB).",
+    ).to_json()
+    return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386, as the API server applies a status merge patch."""
     if not isinstance(patch, Mapping):
@@ -77,7 +94,11 @@ class Cluster:
     clock: float = T0
     ids: int = 0
 
-    def world(self, reports: tuple[reconcile.ReportInput, ...] = ()) -> reconcile.World:
+    def world(
+        self,
+        reports: tuple[reconcile.ReportInput, ...] = (),
+        node_labels: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> reconcile.World:
         self.ids += 1
         return reconcile.World(
             name="svc",
@@ -90,6 +111,7 @@ class Cluster:
             deployment=copy.deepcopy(self.deployment),
             pods=copy.deepcopy(self.pods),
             reports=reports,
+            node_labels=dict(node_labels or {}),
         )
 
     def state(self) -> reconcile.ServiceState:
@@ -166,6 +188,19 @@ def pod(name: str, annotations: Mapping[str, str], *, ready: bool, terminated: A
         "metadata": {"name": name, "uid": f"uid-{name}", "annotations": dict(annotations)},
         "status": status,
     }
+
+
+def crash_loop(c: Cluster, terminated: Mapping[str, Any], run: int) -> None:
+    """Run `run` (0 = the first) of the serving pod's vLLM ended with `terminated`: the pod is
+    restarting (not ready) and the Deployment counts no ready replica."""
+    p = c.pods[0]
+    meta = p["metadata"]
+    crashed = pod(meta["name"], meta["annotations"], ready=False, terminated=dict(terminated))
+    crashed["metadata"]["uid"] = p["metadata"]["uid"]  # the same pod, another run
+    crashed["status"]["containerStatuses"][0]["restartCount"] = run + 1
+    c.pods = [crashed]
+    assert c.deployment is not None
+    c.deployment["status"] = {**c.deployment.get("status", {}), "readyReplicas": 0, "availableReplicas": 0}
 
 
 def flags_of(deployment: Mapping[str, Any]) -> ServingFlags:

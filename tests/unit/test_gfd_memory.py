@@ -32,7 +32,7 @@ from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec import parse_spec
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.edge import k8s
-from rankguard_operator.edge.executor import NodeLabels
+from rankguard_operator.edge.reads import NodeLabels
 
 H100_MIB = 81559  # nvidia.com/gpu.memory of an H100 80GB HBM3 (NVML total / MiB)
 FULL_GPU = {

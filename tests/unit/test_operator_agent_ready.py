@@ -25,7 +25,13 @@ from rankguard_operator.core.conditions import condition
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
-from rankguard_operator.edge.scrape import MAX_ERROR_BODY, Scraper, Target, agent_error_of
+from rankguard_operator.edge.scrape import (
+    MAX_ERROR_BODY,
+    Scraper,
+    Target,
+    agent_error_of,
+    close_shared_session,
+)
 from rankguard_sim.cluster import free_port
 
 BOUND = 60.0
@@ -114,6 +120,7 @@ async def test_the_fallbacks_503_is_a_miss_that_quotes_its_reason_and_keeps_its_
         assert later.since > miss.since  # a success ends the run: a new one starts now
     finally:
         await scraper.close()
+        await close_shared_session()  # as the operator's cleanup does
 
 
 async def test_a_closed_port_is_unreachable() -> None:
@@ -123,6 +130,7 @@ async def test_a_closed_port_is_unreachable() -> None:
         assert miss.kind == "unreachable" and miss.detail.startswith("unreachable: ")
     finally:
         await scraper.close()
+        await close_shared_session()  # as the operator's cleanup does
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ SPEC = parse_spec(
 
 
 @pytest.mark.parametrize("name", ["llama", "a" * 63, "b" * 64, "long-" + "c" * 240])
-def test_a_pod_rendered_for_a_service_is_indexed_under_the_key_the_daemon_reads(name: str) -> None:
+async def test_a_pod_rendered_for_a_service_is_indexed_under_the_key_the_daemon_reads(name: str) -> None:
     """Before: the pod label was shortened past 63 characters while the daemon looked its pods
     up by the full name, so such a service never saw its pods (no ranks, no remediation)."""
     deployment = render_deployment(
@@ -37,6 +37,6 @@ def test_a_pod_rendered_for_a_service_is_indexed_under_the_key_the_daemon_reads(
     )
     template = deployment["spec"]["template"]
     body: dict[str, Any] = {"metadata": {"name": "p-0", "uid": "u", **template["metadata"]}, "status": {}}
-    indexed = serving_pods(namespace="ns", labels=template["metadata"]["labels"], body=body)
+    indexed = await serving_pods(namespace="ns", labels=template["metadata"]["labels"], body=body)
     assert list(indexed) == [service_key("ns", name)]
     assert all(len(v) <= 63 for v in template["metadata"]["labels"].values())

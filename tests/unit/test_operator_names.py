@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.core.names import label_value, labels, selector, service_name
+from rankguard_operator.core.names import MAX_NAME, label_value, labels, name_problem, selector, service_name
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -35,3 +37,12 @@ def test_names_that_fit_are_kept_and_the_others_differ_by_a_hash() -> None:
     long_a, long_b = "a" * 70, "a" * 69 + "b"
     assert label_value(long_a) != label_value(long_b)
     assert label_value(long_a) == label_value(long_a)  # stable across passes and restarts
+
+
+def test_a_name_too_long_for_replicasets_is_a_problem_and_the_crd_says_the_same_bound() -> None:
+    assert name_problem("a" * MAX_NAME) is None
+    problem = name_problem("a" * (MAX_NAME + 1))
+    assert problem is not None and "shorter name" in problem
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "llmservice.yaml").read_text())
+    rules = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert any(r["rule"] == f"self.metadata.name.size() <= {MAX_NAME}" for r in rules)

@@ -732,7 +732,9 @@ def test_shrink_never_grows_and_never_crosses_the_floor_silently(
     if d.action == "shrink":
         assert FLOOR <= new <= before - UNIT and new <= before - deficit - margin
     else:
-        assert (d.action, d.reason, new) == ("degrade", "BudgetAtFloor", FLOOR)
+        # at the floor already: said as such, and nothing to roll
+        reason = "OOMAtFloor" if before == FLOOR else "BudgetAtFloor"
+        assert (d.action, d.reason, new) == ("degrade", reason, FLOOR)
         assert min(wanted, before - UNIT) < FLOOR  # degrade only when the shrink would cross the floor
 
 

@@ -126,11 +126,16 @@ LLMService, so the garbage collector removes them; the operator never deletes.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# Read-only: the middle link of a pod's owner chain (pod -> ReplicaSet -> the Deployment
+# rankguard applied). Only pods that chain vouches for are scraped or acted upon.
+- apiGroups: ["apps"]
+  resources: ["replicasets"]
+  verbs: ["get", "list", "watch"]
 # Read-only, one object at a time: the config.json an LLMService names in spec.model.configMap.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get"]
-# The model cache (spec.modelCache): read the claim each pass to report ModelCacheReady, and
+# The model cache (spec.modelCache): read the claim to report ModelCacheReady, and
 # create the claim rankguard owns (spec.modelCache.size) by server-side apply. No delete: the
 # claim carries an ownerReference to its LLMService, so the garbage collector removes it.
 - apiGroups: [""]

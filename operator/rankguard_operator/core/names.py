@@ -46,6 +46,9 @@ REMEDIATION_ID_ANNOTATION = f"{API_GROUP}/remediation-id"
 
 _MAX_LABEL = 63
 _MAX_SUBDOMAIN = 253
+# The Deployment is named after the LLMService and its ReplicaSets add "-<pod-template hash>"
+# (up to 10 characters) within 253; the CRD refuses longer names with the same bound.
+MAX_NAME = _MAX_SUBDOMAIN - 11
 _HASH_CHARS = 8
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -85,6 +88,18 @@ def cache_claim_name(name: str) -> str:
         return name + suffix
     head = name[: _MAX_SUBDOMAIN - len(suffix) - _HASH_CHARS - 1].rstrip("-.")
     return f"{head}-{_digest(name)}{suffix}"
+
+
+def name_problem(name: str) -> str | None:
+    """Why an LLMService cannot be served under `name` (an operator running against an older
+    CRD, which did not refuse it at apply), or None."""
+    if len(name) > MAX_NAME:
+        return (
+            f"metadata.name is {len(name)} characters, longer than {MAX_NAME}: the serving "
+            "Deployment's ReplicaSets are named after it plus an 11-character suffix, which must "
+            "fit 253. Re-create the LLMService under a shorter name"
+        )
+    return None
 
 
 def labels(name: str) -> dict[str, str]:

@@ -65,7 +65,8 @@ def format_time(ts: float) -> str:
 # Pods
 
 
-def _get(doc: Any, *path: str) -> Any:
+def get_path(doc: Any, *path: str) -> Any:
+    """doc[path[0]][path[1]]..., or None where a step is missing or not a mapping."""
     for key in path:
         if not isinstance(doc, Mapping):
             return None
@@ -75,34 +76,34 @@ def _get(doc: Any, *path: str) -> Any:
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
     """The pod's Ready condition is True (and it is not being deleted)."""
-    if _get(pod, "metadata", "deletionTimestamp"):
+    if get_path(pod, "metadata", "deletionTimestamp"):
         return False
-    for c in _get(pod, "status", "conditions") or []:
+    for c in get_path(pod, "status", "conditions") or []:
         if isinstance(c, Mapping) and c.get("type") == "Ready":
             return c.get("status") == "True"
     return False
 
 
 def pod_ip(pod: Mapping[str, Any]) -> str | None:
-    ip = _get(pod, "status", "podIP")
+    ip = get_path(pod, "status", "podIP")
     return ip if isinstance(ip, str) and ip else None
 
 
 def carried_template_hash(obj: Mapping[str, Any] | None) -> str | None:
     """The rankguard template hash a pod (or a pod template) carries in its annotations: the
     template the pod was created from. None for anything rankguard did not render."""
-    v = _get(obj, "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
+    v = get_path(obj, "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
     return v if isinstance(v, str) and v else None
 
 
 def deployment_template_hash(deployment: Mapping[str, Any] | None) -> str | None:
     """The template hash of the pod template a Deployment holds now (None: none, or not ours)."""
-    return carried_template_hash(_get(deployment, "spec", "template"))
+    return carried_template_hash(get_path(deployment, "spec", "template"))
 
 
 def pod_flags(pod: Mapping[str, Any]) -> ServingFlags | None:
     """The serving flags the pod was rendered with, from its annotation."""
-    raw = _get(pod, "metadata", "annotations", FLAGS_ANNOTATION)
+    raw = get_path(pod, "metadata", "annotations", FLAGS_ANNOTATION)
     if not isinstance(raw, str):
         return None
     try:
@@ -221,11 +222,11 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
 
 def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> list[Termination]:
     """Every ended run of `container` visible in the pod's status (0, 1 or 2), oldest first."""
-    uid = str(_get(pod, "metadata", "uid") or "")
-    name = str(_get(pod, "metadata", "name") or "")
+    uid = str(get_path(pod, "metadata", "uid") or "")
+    name = str(get_path(pod, "metadata", "name") or "")
     flags = pod_flags(pod)
     out: list[Termination] = []
-    for cs in _get(pod, "status", "containerStatuses") or []:
+    for cs in get_path(pod, "status", "containerStatuses") or []:
         if not isinstance(cs, Mapping) or cs.get("name") != container:
             continue
         restarts = cs.get("restartCount")
@@ -233,7 +234,7 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
         # (where, run number): see the module docstring for why the numbers differ
         views = (("lastState", restarts - 1), ("state", restarts))
         for where, run in views:
-            terminated = _get(cs, where, "terminated")
+            terminated = get_path(cs, where, "terminated")
             if not isinstance(terminated, Mapping) or run < 0:
                 continue
             out.append(
@@ -306,12 +307,12 @@ def rollout_state(deployment: Mapping[str, Any] | None, template_hash: str) -> R
     assert isinstance(spec, Mapping) and isinstance(status, Mapping)
     desired = spec.get("replicas", 1)
     desired = desired if isinstance(desired, int) and not isinstance(desired, bool) else 1
-    generation = _get(deployment, "metadata", "generation")
+    generation = get_path(deployment, "metadata", "generation")
     observed_gen = status.get("observedGeneration")
     observed = isinstance(observed_gen, int) and (
         not isinstance(generation, int) or observed_gen >= generation
     )
-    current_hash = _get(spec, "template", "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
+    current_hash = get_path(spec, "template", "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
     matches = current_hash == template_hash
     counts = {
         "replicas": desired,

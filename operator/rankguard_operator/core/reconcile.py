@@ -2,7 +2,8 @@
 
 (The step reads as the loop does, top to bottom, in one place; its inputs and outputs live in
 `step_io`, its state in `service_state`, its effects in `effects`, the pod-shaped conditions in
-`pod_world`.)
+`pod_world`, what the pods show that no decision answers in `blockers`, and the budgets no GPU
+can run and the one Event per change of Degraded in `failing`.)
 
 `state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
 is what the edge observed for this pass (the spec, the Deployment, the pods, the agents'
@@ -27,10 +28,10 @@ Pure: no I/O, no clock (`world.now`), deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import model_source, observe, pod_world, policy, render, status
+from rankguard_operator.core import blockers, model_source, observe, pod_world, policy, render, status
 from rankguard_operator.core.agent_ready import AgentMiss
 from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
@@ -44,6 +45,7 @@ from rankguard_operator.core.effects import (
     WriteStatus,
 )
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
+from rankguard_operator.core.failing import check_budget_fits, degraded_event, gpu_size, said_before
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.headroom import aggregate
@@ -60,9 +62,11 @@ from rankguard_operator.core.step_io import (
     after_apply,
     iso,
     merge_keys,
+    merged_status,
     remediation_id_of,
     same_template,
     scrape_targets,
+    with_intent,
 )
 
 # What callers use through this module (the step's inputs, outputs and effects).
@@ -101,6 +105,8 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
         spec = parse_spec(world.spec)
         model = model_source.resolve(spec, world.model_config, state.learned_model)
         node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+        # a budget no start can have is refused before anything is deployed (core/failing)
+        check_budget_fits(spec, model, gpu_size(spec, state.gpu_memory_bytes, node_gpu))
         prior = prior_plan(spec, planning_gpu_bytes(state.gpu_memory_bytes, node_gpu), model)
     except SpecError as e:
         return invalid_spec(state, world, str(e))
@@ -229,6 +235,13 @@ class _Pass:
         rollout = observe.rollout_state(self.deployment, current_hash or "") if self.deployment else None
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
+        unscheduled = blockers.unschedulable(
+            w.pods,
+            state.unschedulable_since,
+            w.now,
+            gpus=spec.world_size,
+            gpu_resource=spec.resources.gpu_resource_name,
+        )
         try:
             self.learn_model(reports)
             engine = engine_view(state, spec, observation, self.key, fresh_terms)
@@ -240,6 +253,7 @@ class _Pass:
                 # sizes, the budget itself) stand on it even when the spec does not give it
                 gpu = self.updates["gpuMemoryBytes"] = learned
                 self.prior = prior_plan(spec, self.gpu(learned), self.model)
+            check_budget_fits(spec, self.model, gpu_size(spec, gpu, self.node_gpu))
             plan = measured_plan(
                 spec,
                 observation,
@@ -306,12 +320,11 @@ class _Pass:
             self.current = decision.flags
             self.updates["pendingRemediation"] = None
             low_since, ample_since = None, None  # a new revision starts its own headroom clocks
-        elif decision.action in ("degrade", "hold") and decision.message:
-            self.effects.append(PostEvent("Warning", decision.reason, decision.message, repeat=True))
-        elif decision.action == "none" and decision.handled and decision.message:
+        elif decision.action == "none" and decision.trigger in policy.CRASH_TRIGGERS and decision.message:
             # a crash answered without a change of flags (e.g. a start-up check refusal: the
             # render changes instead); say so once per termination
             self.effects.append(PostEvent("Warning", decision.reason, decision.message, repeat=True))
+        # ("degrade" and "hold" are said once per change of the Degraded condition, in 5.)
 
         # 4. Keep the Deployment and Service as rendered. Server-side apply is idempotent; it is
         #    skipped when the live template already carries what we would render.
@@ -346,6 +359,7 @@ class _Pass:
             rollout=rollout,
             ready_replicas=ready,
             history=self.history,
+            blocker=unscheduled.blocker,
         )
         new_status.update(self.updates)
         new_status["conditions"] = with_rules_condition(
@@ -374,6 +388,13 @@ class _Pass:
         )
         new_status["conditions"] = settled.conditions
         self.effects += settled.events
+        said = degraded_event(
+            state.raw.get("conditions") or [],
+            new_status["conditions"],
+            posted=[e.reason for e in self.effects if isinstance(e, PostEvent)],
+        )
+        if said is not None:
+            self.effects.append(said)
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),
@@ -382,15 +403,23 @@ class _Pass:
                 "handledTerminations": list(self.handled),
                 "lowHeadroomSince": low_since,
                 "ampleHeadroomSince": ample_since,
+                "unschedulableSince": unscheduled.since,
                 "serviceApplied": True,
             }
         )
         patch = status.status_patch(self.stored, new_status)
         if patch is not None:
             self.effects.append(WriteStatus(patch))
-        next_state = ServiceState.from_status(_merged(self.stored, new_status))
+        next_state = ServiceState.from_status(merged_status(self.stored, new_status))
         phase = str(new_status.get("phase") or "")
-        return Step(next_state, tuple(self.effects), decision, phase, settled.agents_unavailable)
+        return Step(
+            next_state,
+            tuple(self.effects),
+            decision,
+            phase,
+            settled.agents_unavailable,
+            pass_again_after=unscheduled.due_in,
+        )
 
 
 def invalid_spec(state: ServiceState, world: World, message: str) -> Step:
@@ -408,26 +437,11 @@ def invalid_spec(state: ServiceState, world: World, message: str) -> Step:
             world.generation,
         )
     new = {"phase": Phase.FAILED.value, "observedGeneration": world.generation, "conditions": conditions}
-    effects: list[Effect] = [PostEvent("Warning", "InvalidSpec", message, repeat=True)]
+    effects: list[Effect] = []
+    if not said_before(state.raw.get("conditions") or [], "InvalidSpec", message):
+        effects.append(PostEvent("Warning", "InvalidSpec", message, repeat=True))  # once per change
     patch = status.status_patch(state.raw, new)
     if patch is not None:
         effects.append(WriteStatus(patch))
-    next_state = ServiceState.from_status(_merged(state.raw, new))
+    next_state = ServiceState.from_status(merged_status(state.raw, new))
     return Step(next_state, tuple(effects), None, Phase.FAILED.value)
-
-
-def _merged(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """`old` with the top-level fields of `new` written over it (None removes a field): the
-    status as stored after a merge patch that rankguard built from `new`."""
-    out = dict(old)
-    for k, v in new.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = v
-    return out
-
-
-def with_intent(state: ServiceState, pending: Mapping[str, Any]) -> ServiceState:
-    """The state as stored once a WriteIntent has landed."""
-    return ServiceState.from_status(_merged(state.raw, {"pendingRemediation": dict(pending)}))

@@ -22,7 +22,6 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping
@@ -305,7 +304,8 @@ def _canonical_json(doc: Any) -> str:
 def template_hash(deployment: Mapping[str, Any]) -> str:
     """Stable hash (16 hex digits) of a Deployment's pod template, ignoring the hash annotation
     itself: equal for equal renders, different as soon as anything that would roll changes."""
-    template = copy.deepcopy(dict(deployment.get("spec", {}).get("template", {})))
+    # a shallow copy is enough: only `metadata` is replaced, never changed in place
+    template = dict(deployment.get("spec", {}).get("template", {}))
     meta = template.get("metadata") or {}
     annotations = dict(meta.get("annotations") or {})
     annotations.pop(TEMPLATE_HASH_ANNOTATION, None)

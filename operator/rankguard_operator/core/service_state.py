@@ -73,6 +73,7 @@ class ServiceState:
     pending: PendingRemediation | None = None
     low_headroom_since: float | None = None
     ample_headroom_since: float | None = None
+    unschedulable_since: float | None = None  # core/blockers' clock
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
     # status.engine (core/engine_status): vLLM's own per-rank memory rows, kept from the
@@ -117,6 +118,7 @@ class ServiceState:
             pending=PendingRemediation.from_status(s.get("pendingRemediation")),
             low_headroom_since=_float(s.get("lowHeadroomSince")),
             ample_headroom_since=_float(s.get("ampleHeadroomSince")),
+            unschedulable_since=_float(s.get("unschedulableSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
             engine_rows=_engine_rows(engine),

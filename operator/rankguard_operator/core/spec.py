@@ -89,6 +89,10 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_GPUS_PER_REPLICA = 64
+# The smallest pinned per-GPU KV budget the CRD accepts: no model holds one request in less, so a
+# smaller figure is a unit mistake (bytes for GiB). The model-aware bound (one request of
+# maxModelLen) is checked once the shape is known (core/failing).
+MIN_PINNED_KV_BYTES = MiB
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
 LISTEN_ADDRESSES = ("0.0.0.0", "::")
 
@@ -269,6 +273,11 @@ def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
     if util is not None and util <= 0:
         raise SpecError("spec.memory.gpuMemoryUtilization must be above 0 (a fraction of each GPU's memory)")
     kv = int_field(m, "kvCacheMemoryBytes", w, None, lo=1)
+    if kv is not None and kv < MIN_PINNED_KV_BYTES:
+        raise SpecError(
+            f"spec.memory.kvCacheMemoryBytes must be at least {MIN_PINNED_KV_BYTES} (1 MiB), got {kv}: "
+            "it is in bytes, per GPU (e.g. 42949672960 for 40 GiB), and no model holds one request in less"
+        )
     if util is not None and kv is not None:
         raise SpecError(
             "set spec.memory.kvCacheMemoryBytes (a pinned per-GPU KV budget) or "
@@ -307,6 +316,13 @@ def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> Remediati
         raise SpecError(
             f"spec.remediation.minKVCacheBytes ({lo}, the floor) must be <= "
             f"spec.remediation.maxKVCacheBytes ({hi}, the ceiling)"
+        )
+    gpu = memory.gpu_memory_bytes
+    if lo is not None and gpu is not None and lo >= gpu:
+        raise SpecError(
+            f"spec.remediation.minKVCacheBytes ({lo}, the floor of the per-GPU KV budget) must be smaller "
+            f"than spec.memory.gpuMemoryBytes ({gpu}): no budget can satisfy a floor above one GPU's "
+            "memory; lower the floor well below it (the weights and buffers share each GPU)"
         )
     pinned = memory.kv_cache_memory_bytes
     if pinned is not None and lo is not None and pinned < lo:

@@ -27,6 +27,16 @@ from rankguard_operator.core.units import format_bytes
 
 HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations
 
+# Degraded reasons that say rankguard has done all it may: the same failure comes back at the
+# next load peak, and a pod that restarts and turns ready in between does not make the service
+# healthy. They stay (the condition kept as written, with the generation it was written for)
+# until the flags change or a person changes the spec.
+STICKY_REASONS = ("OOMAtFloor", "PinnedBudgetOOM", "MemoryLimitAtCap")
+# Degraded reasons that describe what holds now (a pod the scheduler cannot place, a spec that
+# cannot be served): they go as soon as it no longer holds, never kept "until ready" (a spec
+# that was fixed is being deployed, not invalid).
+OBSERVED_REASONS = ("Unschedulable", "InvalidSpec")
+
 
 # --------------------------------------------------------------------------------------------
 # Ranks and printer columns
@@ -177,6 +187,7 @@ def _conditions(
     rollout: RolloutState | None,
     ready_replicas: int,
     last: Remediation | None,
+    blocker: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     conds = [dict(c) for c in old]
 
@@ -223,7 +234,9 @@ def _conditions(
 
     # Degraded sticks until the service is ready on a completed rollout: a crash-looping
     # service alternates between "degrade" (a new crash) and "none" (between crashes).
-    old_degraded = condition(old, Condition.DEGRADED)
+    old_degraded = condition(old, Condition.DEGRADED) or {}
+    old_true = old_degraded.get("status") == "True"
+    old_reason = str(old_degraded.get("reason") or "")
     # After a rollback the service runs, but not as asked: it stays Degraded, with the reason,
     # until another change is made (by rankguard or by a person through the spec).
     rolled_back = last is not None and last.action == "rollback" and flags == last.to_flags
@@ -237,13 +250,17 @@ def _conditions(
             f"{last.message}. The service runs the last known good flags; fix the cause (see the "
             "pods' events and logs) or change the spec to try again.",
         )
-    elif old_degraded is not None and old_degraded.get("status") == "True" and not ready:
-        put(
-            Condition.DEGRADED,
-            "True",
-            str(old_degraded.get("reason") or "Degraded"),
-            str(old_degraded.get("message") or ""),
+    elif blocker is not None:
+        put(Condition.DEGRADED, "True", *blocker)
+    elif old_true and old_reason in STICKY_REASONS:
+        changed = (decision is not None and decision.changes_flags) or (
+            old_degraded.get("observedGeneration") != generation
         )
+        if changed:
+            put(Condition.DEGRADED, "False", "AsExpected", "rankguard has nothing it cannot fix")
+        # else: kept as written (the generation it was written for marks the spec it is about)
+    elif old_true and old_reason not in OBSERVED_REASONS and not ready:
+        put(Condition.DEGRADED, "True", old_reason or "Degraded", str(old_degraded.get("message") or ""))
     else:
         put(Condition.DEGRADED, "False", "AsExpected", "rankguard has nothing it cannot fix")
 
@@ -276,9 +293,12 @@ def build_status(
     rollout: RolloutState | None,
     ready_replicas: int,
     history: Sequence[Mapping[str, Any]],
+    blocker: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
-    status to `status_patch`: fields set to None here are removed, other fields are kept."""
+    status to `status_patch`: fields set to None here are removed, other fields are kept.
+    `blocker`: (reason, message) of something observed that keeps the service from serving
+    (core/blockers), Degraded while it lasts unless this pass's decision says more."""
     parsed = history_from_status(list(history))
     last = parsed[-1] if parsed else None
     conditions = _conditions(
@@ -291,6 +311,7 @@ def build_status(
         rollout=rollout,
         ready_replicas=ready_replicas,
         last=last,
+        blocker=blocker,
     )
     return {
         "phase": phase_for(conditions).value,

@@ -67,6 +67,9 @@ class Step:
     decision: policy.Decision | None = None  # None when the spec was refused
     phase: str = ""
     agents_unavailable: tuple[str, ...] = ()  # ready pods past the bound without a report
+    # seconds after which a verdict falls due with nothing else changing (a pod unschedulable
+    # for long enough, core/blockers): the edge should pass again by then; None: no such clock
+    pass_again_after: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,3 +138,20 @@ def scrape_targets(
         if ip and observe.pod_ready(p) and live is not None and observe.carried_template_hash(p) == live:
             out.append((str(p["metadata"]["name"]), ip, port))
     return out
+
+
+def merged_status(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`old` with the top-level fields of `new` written over it (None removes a field): the
+    status as stored after a merge patch that rankguard built from `new`."""
+    out = dict(old)
+    for k, v in new.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def with_intent(state: ServiceState, pending: Mapping[str, Any]) -> ServiceState:
+    """The state as stored once a WriteIntent has landed."""
+    return ServiceState.from_status(merged_status(state.raw, {"pendingRemediation": dict(pending)}))

@@ -5,7 +5,10 @@ Environment (all optional):
   RANKGUARD_AGENT_IMAGE       image of the agent-install init container in serving pods
   RANKGUARD_LIVENESS_HOST/PORT  kopf's liveness endpoint /healthz (default 0.0.0.0:8080; 0 = off)
   RANKGUARD_METRICS_HOST/PORT   Prometheus metrics (default 0.0.0.0:9090; 0 = off)
-  RANKGUARD_SCRAPE_INTERVAL   seconds between passes of each service's loop (default 2)
+  RANKGUARD_SCRAPE_INTERVAL   seconds between passes of a service with agents to scrape, a
+                              remediation under way or pods starting (default 2)
+  RANKGUARD_RESYNC_INTERVAL   seconds between passes of any other service, when no watch event
+                              wakes it sooner (default 30)
   RANKGUARD_STALE_AFTER       seconds after which an agent report is too old to act on (default 30)
   RANKGUARD_AGENT_UNAVAILABLE_AFTER  seconds a ready serving pod may go without a valid agent
                               report before AgentReady turns False (default 60)
@@ -61,6 +64,7 @@ class OperatorConfig:
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9090
     scrape_interval: float = 2.0
+    resync_interval: float = 30.0
     stale_after: float = 30.0
     agent_unavailable_after: float = 60.0
     log_format: str = "plain"
@@ -81,6 +85,7 @@ class OperatorConfig:
             metrics_host=env.get("RANKGUARD_METRICS_HOST", "0.0.0.0").strip() or "0.0.0.0",
             metrics_port=_port(env, "RANKGUARD_METRICS_PORT", 9090),
             scrape_interval=_seconds(env, "RANKGUARD_SCRAPE_INTERVAL", 2.0),
+            resync_interval=_seconds(env, "RANKGUARD_RESYNC_INTERVAL", 30.0),
             stale_after=_seconds(env, "RANKGUARD_STALE_AFTER", 30.0),
             agent_unavailable_after=_seconds(env, "RANKGUARD_AGENT_UNAVAILABLE_AFTER", 60.0),
             log_format=fmt,

@@ -9,7 +9,12 @@ live body, but the watch event of our own status write can arrive after the next
 started (a pod event wakes it at once, and kopf restarts a failed daemon after a short
 delay). A step started from such a stale body would decide again what is already written
 (and roll twice), so the executor remembers the state each of its writes left and the
-resourceVersion the write returned, and uses that state until the body has caught up.
+resourceVersion the write returned, and uses that state until the body has caught up. The
+same holds for the Deployment, read from kopf's watch: the object our own apply returned is
+used until the watch has delivered it (or something newer).
+
+Only pods whose owner chain leads to this LLMService's Deployment are passed to the step
+(core/ownership); the others are counted once each in `rankguard_operator_pods_ignored_total`.
 """
 
 from __future__ import annotations
@@ -19,22 +24,24 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import kopf
-
-from rankguard_operator.core import pod_world, reconcile
+from rankguard_operator.core import ownership, pod_world, reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
+from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import (
     AGENTS_UNAVAILABLE,
     ENGINE_RULES_FALLBACK,
     PASSES,
+    PODS_IGNORED,
     RECONCILE_SECONDS,
     REMEDIATIONS,
 )
+from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, claim_bound, exists
 from rankguard_operator.edge.scrape import Scraper, Target
 
 log = logging.getLogger("rankguard_operator.executor")
@@ -42,56 +49,22 @@ log = logging.getLogger("rankguard_operator.executor")
 # A state that lasts (a hold, Degraded, an invalid spec) is re-decided every pass; its Event
 # is posted again at most this often (its text carries counters that change every second).
 EVENT_REPEAT_SECONDS = 300.0
-# A node's labels are read again after this long (GPU Feature Discovery relabels rarely).
-NODE_LABELS_SECONDS = 300.0
+# How long the Deployment our own apply returned stands in for one the watch has not delivered
+# (the watch is usually milliseconds behind; a Deployment deleted since is seen after this).
+APPLIED_STANDS_SECONDS = 30.0
+# A pod whose ReplicaSet (or our Deployment) the watches have not shown is normally one the
+# watch is a moment behind on; one still unvouched for after this long is counted as ignored.
+UNVOUCHED_GRACE_SECONDS = 30.0
 
 
-class NodeLabels:
-    """The labels of the nodes serving pods run on, read one Node at a time and kept for
-    NODE_LABELS_SECONDS (one instance, NODE_LABELS, for every LLMService). They only size the
-    GPU before the agents have measured it, so no failure to read them stops a pass: a 403 (a
-    namespaced install may not read Nodes, docs/rbac.md) is logged once per operator and
-    retried after the same period; an API hiccup keeps what was read before."""
+@dataclass(frozen=True)
+class Seen:
+    """What the watches hold for one LLMService at the start of a pass (edge/handlers indexes)."""
 
-    forbidden_logged = False  # one log line per operator, not per LLMService
-
-    def __init__(self) -> None:
-        self._read: dict[str, tuple[float, dict[str, str]]] = {}
-        self._forbidden_at: float | None = None
-
-    async def labels(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
-        now = time.monotonic()
-        # shared by every LLMService: a node read for one serves the others on it
-        self._read = {n: v for n, v in self._read.items() if now - v[0] < NODE_LABELS_SECONDS}
-        forbidden = self._forbidden_at is not None and now - self._forbidden_at < NODE_LABELS_SECONDS
-        for name in names:
-            kept = self._read.get(name)
-            if forbidden or (kept is not None and now - kept[0] < NODE_LABELS_SECONDS):
-                continue
-            try:
-                node = await k8s.get_node(name)
-            except k8s.NodeForbidden as e:
-                self._forbidden_at, forbidden = now, True
-                if not NodeLabels.forbidden_logged:
-                    NodeLabels.forbidden_logged = True
-                    log.warning(
-                        "cannot read Node %s (%s): GPU sizes come from the spec or the agents only; "
-                        "grant `nodes get` (a cluster-wide install does) to plan from GPU Feature "
-                        "Discovery labels before the first start",
-                        name,
-                        e,
-                    )
-                continue
-            except kopf.TemporaryError as e:
-                log.debug("reading Node %s: %s", name, e)
-                continue
-            raw = ((node or {}).get("metadata") or {}).get("labels") or {}
-            self._read[name] = (now, {str(k): str(v) for k, v in raw.items()})
-        return {n: self._read[n][1] for n in names if n in self._read}
-
-
-# One cache for the operator: many services run on the same GPU nodes.
-NODE_LABELS = NodeLabels()
+    body: Mapping[str, Any]
+    pods: Sequence[Mapping[str, Any]]  # by rankguard's labels: not yet vouched for
+    deployment: Mapping[str, Any] | None  # the Deployment named after the service, if watched
+    replicaset_owner: Mapping[str, str]  # ReplicaSet UID -> its controller's UID
 
 
 class ServiceExecutor:
@@ -101,9 +74,18 @@ class ServiceExecutor:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
         self.nodes = NODE_LABELS
+        self.claims = KeptRead(lambda n: k8s.get_claim(namespace, n), claim_bound)
+        self.configs = KeptRead(lambda n: k8s.get_configmap(namespace, n), exists)
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
         self._written: tuple[str, reconcile.ServiceState] | None = None  # (rv of our write, state)
+        self._applied: tuple[float, dict[str, Any]] | None = None  # (when, our last applied Deployment)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
+        self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
+        self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
+        # whether the last pass had something that changes without a watch event: agents to
+        # scrape, a remediation under way, pods starting on a node (handlers pick the cadence)
+        self.busy = True
+        self.due_in: float | None = None  # the step's own clock: pass again by then (seconds)
 
     async def close(self) -> None:
         await self.scraper.close()
@@ -116,40 +98,92 @@ class ServiceExecutor:
                 gauge.remove(self.namespace, self.name)
 
     # ------------------------------------------------------------------------------- a pass
-    async def run_once(self, body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
+    def next_pass_in(self, fast: float, slow: float) -> float:
+        """Seconds until the next pass without a wake-up: `fast` while busy, else `slow`, and
+        never later than a verdict the step said falls due."""
+        interval = fast if self.busy else slow
+        return interval if self.due_in is None else min(interval, max(self.due_in, 0.0))
+
+    async def run_once(self, seen: Seen) -> str:
         """One pass. Returns the phase written (for the caller's logs)."""
         started = time.monotonic()
         try:
-            return await self._run_once(body, pods)
+            return await self._run_once(seen)
         finally:
             RECONCILE_SECONDS.observe(time.monotonic() - started)
             PASSES.labels(namespace=self.namespace, llmservice=self.name).inc()
 
     def _state(self, body: Mapping[str, Any]) -> reconcile.ServiceState:
         rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
-        if self._written is not None and _older(rv, self._written[0]):
-            return self._written[1]  # kopf has not delivered our own last write yet
+        if self._written is not None:
+            if _older(rv, self._written[0]):
+                return self._written[1]  # kopf has not delivered our own last write yet
+            self._written = None  # caught up: the body says the same (and holds it once)
         return reconcile.ServiceState.from_status(body.get("status"))
 
     def _remember(self, rv: str | None, state: reconcile.ServiceState) -> None:
         if rv is not None:
             self._written = (rv, state)
 
-    async def _run_once(self, body: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
+    def _deployment(self, watched: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The watched Deployment, unless the one our own apply returned is newer."""
+        applied = self._applied
+        if applied is not None:
+            mine = applied[1]
+            rv = str((mine.get("metadata") or {}).get("resourceVersion") or "")
+            if watched is None:
+                if time.monotonic() - applied[0] < APPLIED_STANDS_SECONDS:
+                    return dict(mine)
+            elif _older(str((watched.get("metadata") or {}).get("resourceVersion") or ""), rv):
+                return dict(mine)
+            else:
+                self._applied = None  # the watch has caught up: no second copy to keep
+        return dict(watched) if watched is not None else None
+
+    def _trusted(self, seen: Seen, deployment: Mapping[str, Any] | None, uid: str) -> list[Mapping[str, Any]]:
+        pods, ignored = ownership.trusted_pods(seen.pods, seen.replicaset_owner, deployment, uid)
+        now = time.monotonic()
+        for i in ignored:
+            if i.uid in self._ignored:
+                continue
+            # most likely ours, with its ReplicaSet a moment behind in the watch: not news yet
+            waiting = now - self._unvouched.setdefault(i.uid, now) < UNVOUCHED_GRACE_SECONDS
+            if i.reason in ("unknown-replicaset", "no-deployment") and waiting:
+                continue
+            self._ignored.add(i.uid)
+            PODS_IGNORED.labels(namespace=self.namespace, llmservice=self.name, reason=i.reason).inc()
+            log.warning(
+                "LLMService %s/%s: ignoring pod %s, which carries its labels but was not made by its "
+                "Deployment (%s): never scraped nor acted upon",
+                self.namespace,
+                self.name,
+                i.pod,
+                i.reason,
+            )
+        live = {str((p.get("metadata") or {}).get("uid") or "") for p in seen.pods}
+        self._ignored &= live
+        self._unvouched = {u: t for u, t in self._unvouched.items() if u in live and u not in self._ignored}
+        return pods
+
+    async def _run_once(self, seen: Seen) -> str:
+        body = seen.body
         meta = body.get("metadata") or {}
         state = self._state(body)
         spec = dict(body.get("spec") or {})
-        deployment = await k8s.get_deployment(self.namespace, self.name)
-        model_config = await self._model_config(spec)
+        generation = int(meta.get("generation") or 0)
+        uid = str(meta.get("uid") or "")
+        deployment = self._deployment(seen.deployment)
+        pods = self._trusted(seen, deployment, uid)
+        model_config = await self._model_config(spec, generation)
         reads = pod_world.reads(spec, self.name, pods)
-        claim = await k8s.get_claim(self.namespace, reads.claim) if reads.claim else None
+        claim = await self.claims.get(reads.claim, generation) if reads.claim else None
         targets = [Target(*t) for t in reconcile.scrape_targets(spec, deployment, pods)]
         scraped = await self.scraper.scrape(targets)
         world = reconcile.World(
             name=self.name,
             namespace=self.namespace,
-            uid=str(meta.get("uid") or ""),
-            generation=int(meta.get("generation") or 0),
+            uid=uid,
+            generation=generation,
             spec=spec,
             now=time.time(),
             new_id=uuid.uuid4().hex[:12],
@@ -161,7 +195,18 @@ class ServiceExecutor:
             agent_misses=scraped.misses,
             node_labels=await self.nodes.labels(reads.nodes),
         )
-        step = reconcile.step(state, world, self.settings)
+        self.busy = (
+            bool(targets)
+            or bool(state.raw.get("pendingRemediation"))
+            or any((p.get("spec") or {}).get("nodeName") for p in pods)
+        )
+        problem = name_problem(self.name)
+        step = (
+            reconcile.invalid_spec(state, world, problem)
+            if problem is not None
+            else reconcile.step(state, world, self.settings)
+        )
+        self.due_in = step.pass_again_after
         AGENTS_UNAVAILABLE.labels(namespace=world.namespace, llmservice=world.name).set(
             len(step.agents_unavailable)
         )
@@ -180,13 +225,13 @@ class ServiceExecutor:
         self._refused = None
         return step.phase
 
-    async def _model_config(self, spec: Mapping[str, Any]) -> ConfigRead | None:
-        """spec.model.configMap's config.json, read for this pass (None when the spec names none)."""
+    async def _model_config(self, spec: Mapping[str, Any], generation: int) -> ConfigRead | None:
+        """spec.model.configMap's config.json (None when the spec names none)."""
         ref = (spec.get("model") or {}).get("configMap") if isinstance(spec.get("model"), Mapping) else None
         if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str):
             return None
         name, key = ref["name"], str(ref.get("key") or "config.json")
-        return config_from_configmap(await k8s.get_configmap(self.namespace, name), name, key)
+        return config_from_configmap(await self.configs.get(name, generation), name, key)
 
     async def execute(
         self, body: Mapping[str, Any], state: reconcile.ServiceState, step: reconcile.Step
@@ -200,7 +245,7 @@ class ServiceExecutor:
                 )
                 self._remember(rv, reconcile.with_intent(state, effect.pending))
             elif isinstance(effect, reconcile.ApplyDeployment):
-                await k8s.apply(effect.body)
+                self._applied = (time.monotonic(), await k8s.apply(effect.body))
                 if effect.remediation_id is not None:
                     REMEDIATIONS.labels(
                         self.namespace, self.name, str(effect.action), str(effect.trigger)

@@ -1,16 +1,24 @@
 """kopf wiring: thin. Watches wake a per-LLMService daemon; the daemon runs the executor.
 
 One long-lived daemon per LLMService runs the loop of DESIGN §2 (observe → decide → act).
-Pod, Deployment and spec events only wake that daemon, so a CUDA OOM reaches the policy
-within one API round trip, while the loop itself stays level-triggered: every pass re-reads
-the world and is idempotent, so a lost or repeated event changes nothing.
+Pods, ReplicaSets and Deployments are watched into kopf indexes (memory, never a GET per
+pass) and their events, like spec edits, only wake that daemon, so a CUDA OOM reaches the
+policy within one API round trip, while the loop itself stays level-triggered: every pass
+re-reads the world and is idempotent, so a lost or repeated event changes nothing.
 
-Errors are kopf's: an API that is unreachable or throttling raises `kopf.TemporaryError`
-out of the daemon, kopf logs it once (no traceback) and restarts the daemon after the
-error's delay; anything unexpected is logged with its traceback and retried after
-`UNEXPECTED_BACKOFF`. State that must outlive a restart (the executor: scraper session,
-Event throttle, the state of its last write) is kept in kopf's per-object `memo`; the
-configuration and the wake-up events are in the operator-wide memo.
+Cadence: a service with something that changes without a watch event (agents to scrape, a
+remediation under way, pods starting on a node) passes every RANKGUARD_SCRAPE_INTERVAL; any
+other (nothing scheduled yet, deleted pods, an invalid spec) waits for an event or
+RANKGUARD_RESYNC_INTERVAL. That is what lets one operator carry a thousand services.
+
+Errors: an unreachable or failing API server is `k8s.ApiUnavailable`, told once per outage
+by `api_health.HEALTH`; the loop waits `k8s.OUTAGE_DELAY` (or a wake-up) and tries again,
+without kopf logging a line per service per retry. A conflict or throttling raises
+`kopf.TemporaryError` out of the daemon (kopf logs it once and restarts the daemon after its
+delay); anything unexpected is logged with its traceback and retried after
+`UNEXPECTED_BACKOFF`. State that must outlive a restart (the executor: Event throttle, the
+state of its last write) is kept in kopf's per-object `memo`; the configuration, the wake-up
+events and the shared HTTP session are in the operator-wide memo.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -33,9 +42,11 @@ from rankguard_operator.core.names import (
     label_value,
 )
 from rankguard_operator.edge import k8s
+from rankguard_operator.edge.api_health import HEALTH, KopfRetryFilter
 from rankguard_operator.edge.config import OperatorConfig
-from rankguard_operator.edge.executor import ServiceExecutor
+from rankguard_operator.edge.executor import Seen, ServiceExecutor
 from rankguard_operator.edge.metrics_server import start_metrics_server
+from rankguard_operator.edge.scrape import close_shared_session
 
 log = logging.getLogger("rankguard_operator")
 
@@ -67,7 +78,7 @@ def _wakers(memo: kopf.Memo) -> dict[Key, asyncio.Event]:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config = _config(memo)
     _wakers(memo)
     # Keep kopf's bookkeeping in annotations under our own prefix: the CRD's status schema
@@ -85,11 +96,44 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # privilege, docs/rbac.md); a pattern needs namespaces list/watch, documented there.
     settings.scanning.disabled = not config.uses_namespace_patterns
     k8s.login()
+    # The API calls run in worker threads (the kubernetes client is synchronous): this many at
+    # once for the whole operator. asyncio's default (cores + 4) made a thousand services'
+    # first passes queue behind six threads; more would only crowd the API server.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=k8s.MAX_CONCURRENT_CALLS, thread_name_prefix="k8s")
+    )
+    HEALTH.use_probe(k8s.readyz)
+    _fold_kopf_retries()
     start_metrics_server(config.metrics_host, config.metrics_port)
 
 
+def _fold_kopf_retries() -> None:
+    """kopf logs every failed attempt of its watch requests; during an outage that is a line per
+    watch per second. Those go to HEALTH instead (one warning per outage)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, KopfRetryFilter) for f in handler.filters):
+            handler.addFilter(KopfRetryFilter())
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    await close_shared_session()
+    await HEALTH.close()
+
+
+def _controller_refs(meta: kopf.Meta | dict[str, Any]) -> list[dict[str, Any]]:
+    """The controller ownerReference only (what core/ownership checks), not the whole list."""
+    return [
+        {"kind": r.get("kind"), "name": r.get("name"), "uid": r.get("uid"), "controller": True}
+        for r in meta.get("ownerReferences") or []
+        if isinstance(r, dict) and r.get("controller") is True
+    ]
+
+
 @kopf.index("", "v1", "pods", labels=MANAGED)
-def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def serving_pods(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
     """Pods by (namespace, the LLMService label value): the loop reads them from memory. Of the
     spec only the node a pod is scheduled on (for its GPU Feature Discovery labels)."""
     service = labels.get(LLMSERVICE_LABEL)
@@ -103,6 +147,7 @@ def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **
             "labels": dict(meta.get("labels") or {}),
             "annotations": dict(meta.get("annotations") or {}),
             "deletionTimestamp": meta.get("deletionTimestamp"),
+            "ownerReferences": _controller_refs(meta),
         },
         "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
         "status": dict(body.get("status") or {}),
@@ -110,24 +155,47 @@ def serving_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **
     return {(namespace, service): pod}
 
 
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+async def serving_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Deployments by (namespace, name), without managedFields: the loop's view of its rollout."""
+    doc = {k: v for k, v in dict(body).items() if k != "metadata"}
+    doc["metadata"] = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
+    return {(namespace, name): doc}
+
+
+@kopf.index("apps", "v1", "replicasets", labels=MANAGED)
+async def replicaset_owners(namespace: str | None, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    """A ReplicaSet's UID -> its controller's UID: the middle link of a pod's owner chain."""
+    refs = _controller_refs(meta)
+    return {(namespace, meta.get("uid")): refs[0]["uid"]} if refs else {}
+
+
 def _wake(memo: kopf.Memo, namespace: str | None, service_label: str) -> None:
+    # The handlers that call this are async on purpose: kopf runs sync handlers in a worker
+    # thread, where asyncio.Event.set() is not safe (and a thread hop per watch event costs).
     event = _wakers(memo).get((namespace or "", service_label))
     if event is not None:
         event.set()
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
-def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def deployment_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def deployment_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
+
+
+@kopf.on.event("apps", "v1", "replicasets", labels=MANAGED)
+async def replicaset_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    # a pod is vouched for once its ReplicaSet is known: look again when one arrives
     _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A spec edit (generation ahead of status.observedGeneration) is acted on at once; our own
     status writes do not wake the loop."""
     generation = body.get("metadata", {}).get("generation")
@@ -146,6 +214,8 @@ async def service_daemon(
 ) -> None:
     # kopf passes each index as a keyword named after its function.
     pods_index: kopf.Index[Any, Any] = kwargs["serving_pods"]
+    deployments: kopf.Index[Any, Any] = kwargs["serving_deployments"]
+    replicasets: kopf.Index[Any, Any] = kwargs["replicaset_owners"]
     assert namespace is not None  # LLMService is namespaced
     config = _config(memo)
     executor = memo.get("executor")
@@ -157,14 +227,37 @@ async def service_daemon(
         while not stopped:
             wake.clear()
             started = time.monotonic()
-            await executor.run_once(body, list(pods_index.get(key, [])))
+            pods = list(pods_index.get(key, []))
+            seen = Seen(
+                body=body,
+                pods=pods,
+                deployment=next(iter(deployments.get((namespace, name), [])), None),
+                replicaset_owner=_owners(replicasets, namespace, pods),
+            )
+            try:
+                await executor.run_once(seen)
+                interval = executor.next_pass_in(config.scrape_interval, config.resync_interval)
+            except k8s.ApiUnavailable:
+                interval = k8s.OUTAGE_DELAY  # HEALTH said it once; try again after a while
             spent = time.monotonic() - started
-            await _sleep_until(wake, stopped, max(0.05, config.scrape_interval - spent))
+            await _sleep_until(wake, stopped, max(0.05, interval - spent))
     finally:
         if stopped:
             _wakers(memo).pop(key, None)
             executor.forget()
         await executor.close()
+
+
+def _owners(replicasets: kopf.Index[Any, Any], namespace: str, pods: list[Any]) -> dict[str, str]:
+    """ReplicaSet UID -> controller UID, for the ReplicaSets these pods name as their controller."""
+    out: dict[str, str] = {}
+    for pod in pods:
+        for ref in pod["metadata"].get("ownerReferences") or []:
+            uid = str(ref.get("uid") or "")
+            owner = next(iter(replicasets.get((namespace, uid), [])), None)
+            if owner is not None:
+                out[uid] = str(owner)
+    return out
 
 
 async def _sleep_until(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> None:

@@ -4,10 +4,12 @@ The kubernetes client is synchronous; every call runs in a worker thread so the 
 loop never blocks. Writes use server-side apply with the field manager `rankguard`, so the
 operator owns exactly the fields it renders and a person's edits to other fields survive.
 
-Error policy, in kopf's terms: trouble that heals by itself (409, 429, 5xx, and the API
-server being unreachable) is a `kopf.TemporaryError` with a back-off `delay`, which kopf logs
-once per retry, without a traceback; an object the API server refuses (400, 403, 422) is an
-`ApplyRefused`, which the executor turns into a condition and an Event on the LLMService.
+Error policy: the API server being unreachable or failing (5xx, e.g. etcd down) is an
+`ApiUnavailable`, reported to the operator-wide `api_health.HEALTH` (one warning per outage,
+counted in metrics) and waited out by the loop; a conflict or throttling (409, 429) is a
+`kopf.TemporaryError` with a short back-off; an object the API server refuses (400, 403, 422)
+is an `ApplyRefused`, which the executor turns into a condition and an Event on the
+LLMService. Every call that gets an answer tells HEALTH the API server is back.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.names import API_GROUP, API_VERSION, OWNER_KIND, PLURAL, label_value
+from rankguard_operator.edge.api_health import HEALTH
 
 log = logging.getLogger("rankguard_operator.k8s")
 
 FIELD_MANAGER = "rankguard"
 GROUP, VERSION = API_GROUP, API_VERSION
 # Seconds before a retry: conflicts and throttling clear fast; an unreachable or failing API
-# server is given longer, so an outage costs one log line per retry, not one per pass.
+# server is given longer (the loop waits this long, or until woken, before its next pass).
 CONFLICT_DELAY = 2.0
 OUTAGE_DELAY = 5.0
+MAX_CONCURRENT_CALLS = 16  # API calls in flight at once, for the whole operator
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
 
@@ -50,6 +54,9 @@ def login() -> None:
         # Read KUBECONFIG now: the client's default path was fixed when it was imported.
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     _api = client.ApiClient()
+    # urllib3 retries a failed connection three times and logs a warning for each; during an
+    # outage that is three lines per call per service. The outage is HEALTH's one warning.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 def api() -> client.ApiClient:
@@ -68,20 +75,51 @@ class ApplyRefused(Exception):
         self.kind, self.name, self.status, self.detail = kind, name, status, detail
 
 
+class ApiUnavailable(Exception):
+    """The API server is unreachable or answers 5xx: nothing can be read or written now.
+    `HEALTH` has logged it (once per outage); the loop waits and tries again."""
+
+
 def _temporary(e: ApiException, what: str) -> kopf.TemporaryError:
-    # 409 (conflict), 429 and 5xx heal by themselves; everything goes back through kopf's back-off.
-    delay = CONFLICT_DELAY if e.status in (409, 429) else OUTAGE_DELAY
-    return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}", delay=delay)
-
-
-def _unreachable(e: Exception, what: str) -> kopf.TemporaryError:
-    return kopf.TemporaryError(
-        f"{what}: the API server is unreachable ({type(e).__name__})", delay=OUTAGE_DELAY
-    )
+    # 409 (conflict) and 429 heal by themselves; they go back through kopf's back-off.
+    return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}", delay=CONFLICT_DELAY)
 
 
 # Connection trouble as the client raises it (urllib3 retries exhausted, resets, timeouts).
 _CONNECTION_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+async def _call(what: str, call: Callable[[], Any]) -> Any:
+    """One client call off the event loop. Outages become ApiUnavailable (told to HEALTH);
+    any answer below 500 means the API server is up, and its ApiException goes to the caller."""
+    try:
+        result = await asyncio.to_thread(call)
+    except ApiException as e:
+        if e.status >= 500:
+            HEALTH.failed(what, f"HTTP {e.status} {e.reason}", kind="server-error")
+            raise ApiUnavailable(f"{what}: HTTP {e.status} {e.reason}") from e
+        HEALTH.succeeded()
+        raise
+    except _CONNECTION_ERRORS as e:
+        HEALTH.failed(what, type(e).__name__)
+        raise ApiUnavailable(f"{what}: the API server is unreachable ({type(e).__name__})") from e
+    HEALTH.succeeded()
+    return result
+
+
+async def readyz() -> bool:
+    """Whether the API server answers /readyz (HEALTH's probe during an outage)."""
+
+    def call() -> Any:
+        return api().call_api(
+            "/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False, _request_timeout=5
+        )
+
+    try:
+        await asyncio.to_thread(call)
+    except (ApiException, *_CONNECTION_ERRORS):
+        return False
+    return True
 
 
 def _refusal_detail(e: ApiException) -> str:
@@ -120,27 +158,24 @@ async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
             )
         raise ValueError(f"rankguard does not apply {kind}")
 
+    what = f"applying {kind} {meta['name']}"
     try:
-        result = await asyncio.to_thread(call)
+        result = await _call(what, call)
     except ApiException as e:
         if e.status in (400, 403, 422):
             raise ApplyRefused(kind, meta["name"], e.status, _refusal_detail(e)) from e
-        raise _temporary(e, f"applying {kind} {meta['name']}") from e
-    except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"applying {kind} {meta['name']}") from e
+        raise _temporary(e, what) from e
     return dict(api().sanitize_for_serialization(result))
 
 
 async def _read(kind: str, name: str, call: Callable[[], Any]) -> dict[str, Any] | None:
     """One object read off the event loop; None when it does not exist."""
     try:
-        obj = await asyncio.to_thread(call)
+        obj = await _call(f"reading {kind} {name}", call)
     except ApiException as e:
         if e.status == 404:
             return None
         raise _temporary(e, f"reading {kind} {name}") from e
-    except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"reading {kind} {name}") from e
     return dict(api().sanitize_for_serialization(obj))
 
 
@@ -206,13 +241,11 @@ async def patch_status(namespace: str, name: str, status_patch: Mapping[str, Any
         )
 
     try:
-        result = await asyncio.to_thread(call)
+        result = await _call(f"writing status of LLMService {name}", call)
     except ApiException as e:
         if e.status == 404:
             return None  # deleted meanwhile: nothing to report on
         raise _temporary(e, f"writing status of LLMService {name}") from e
-    except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"writing status of LLMService {name}") from e
     rv = (result.get("metadata") or {}).get("resourceVersion") if isinstance(result, dict) else None
     return rv if isinstance(rv, str) else None
 
@@ -260,7 +293,7 @@ async def post_event(
         return client.CoreV1Api(api()).create_namespaced_event(namespace, body)
 
     try:
-        await asyncio.to_thread(call)
+        await _call(f"posting Event {reason}", call)
     except ApiException as e:
         if e.status == 409 and name:
             return  # posted before (by this operator before a restart): once is enough
@@ -270,5 +303,3 @@ async def post_event(
             )
             return  # an Event is information, never a reason to stop the loop
         raise _temporary(e, f"posting Event {reason}") from e
-    except _CONNECTION_ERRORS as e:
-        raise _unreachable(e, f"posting Event {reason}") from e

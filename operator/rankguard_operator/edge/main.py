@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -11,8 +12,26 @@ import kopf
 
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
 
+_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+
+
+def fewer_malloc_arenas() -> bool:
+    """Two glibc malloc arenas instead of up to eight per core (what MALLOC_ARENA_MAX=2 does,
+    set here so no install has to remember it; an explicit MALLOC_ARENA_MAX wins). The API
+    calls run in worker threads and decode their JSON there; with an arena per thread, each
+    keeps its own freed-but-unreturned memory, which at a thousand services was tens of MiB
+    of RSS that Python no longer held. Returns whether it was set (False off glibc)."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, 2))
+
 
 def run_operator() -> int:
+    fewer_malloc_arenas()  # before any thread starts
     try:
         config = OperatorConfig.from_env(os.environ)
     except ConfigError as e:

@@ -47,3 +47,25 @@ ENGINE_RULES_FALLBACK = Gauge(
     "nearest one's rules are used (the EngineRules condition says which); 0 otherwise",
     ["namespace", "llmservice"],
 )
+API_REACHABLE = Gauge(
+    "rankguard_operator_api_reachable",
+    "1 while the API server answers the operator's calls, 0 from the first failed call of an "
+    "outage until one succeeds again (one WARNING log line per outage, not one per call)",
+)
+API_ERRORS = Counter(
+    "rankguard_operator_api_errors_total",
+    "API calls (the operator's own and kopf's watch requests) that failed because the API "
+    "server was unreachable or answered 5xx; each is retried",
+    ["kind"],
+)
+API_OUTAGES = Counter(
+    "rankguard_operator_api_outages_total",
+    "Times the API server went from answering to not answering",
+)
+PODS_IGNORED = Counter(
+    "rankguard_operator_pods_ignored_total",
+    "Pods carrying an LLMService's labels that its owner chain does not vouch for (not made by "
+    "the ReplicaSet of the Deployment rankguard applied for it): never scraped nor acted upon. "
+    "Counted once per pod",
+    ["namespace", "llmservice", "reason"],
+)

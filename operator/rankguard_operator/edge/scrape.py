@@ -9,6 +9,10 @@ agent's fallback answering 503 with `{"agentError": ...}`, another status, overs
 malformed) and since when it has been missing without a break, for the AgentReady
 condition (core/agent_ready). Of a 503's body only a bounded read of `agentError` is used,
 as a string, cut to one short line; nothing else in it is trusted.
+
+One aiohttp session (one connection pool) and one concurrency bound serve every LLMService of
+the operator: at a thousand services, a session each would hold a thousand pools and let a
+burst of passes open thousands of sockets at once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +35,7 @@ from .metrics import REPORT_FIELDS_DROPPED, REPORTS_OK, REPORTS_REJECTED
 log = logging.getLogger("rankguard_operator.edge.scrape")
 
 TIMEOUT = aiohttp.ClientTimeout(total=2.0, connect=1.0)
-MAX_CONCURRENCY = 16
+MAX_CONCURRENCY = 64  # scrapes in flight at once, for the whole operator
 MAX_ERROR_BODY = 4096  # bytes of a 503 read for its agentError; the rest is never read
 
 
@@ -77,20 +82,48 @@ async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
     return bytes(raw)
 
 
+@dataclass
+class _Shared:
+    session: aiohttp.ClientSession
+    bound: asyncio.Semaphore
+
+
+# Per event loop (the operator has one; tests start several in turn): a session and a
+# semaphore belong to the loop they were made in.
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Shared] = weakref.WeakKeyDictionary()
+
+
+def _shared() -> _Shared:
+    loop = asyncio.get_running_loop()
+    shared = _SHARED.get(loop)
+    if shared is None or shared.session.closed:
+        session = aiohttp.ClientSession(
+            timeout=TIMEOUT,
+            raise_for_status=False,
+            connector=aiohttp.TCPConnector(limit=MAX_CONCURRENCY),
+        )
+        shared = _SHARED[loop] = _Shared(session, asyncio.Semaphore(MAX_CONCURRENCY))
+    return shared
+
+
+async def close_shared_session() -> None:
+    """At operator cleanup: close this loop's session."""
+    shared = _SHARED.pop(asyncio.get_running_loop(), None)
+    if shared is not None:
+        await shared.session.close()
+
+
 class Scraper:
-    """One per LLMService: a long-lived aiohttp session reused across scrapes."""
+    """One per LLMService: what it remembers between scrapes (complaints logged, failures in a
+    row); the HTTP session is the operator's shared one."""
 
     def __init__(self, service: str, namespace: str) -> None:
         self.service, self.namespace = service, namespace
-        self._session: aiohttp.ClientSession | None = None
-        self._sem = asyncio.Semaphore(MAX_CONCURRENCY)
         self._complained: set[tuple[str, str]] = set()
         self._failing_since: dict[str, float] = {}  # pod -> its first failed scrape in a row
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Nothing of its own to close: the session is shared (close_shared_session)."""
 
     def _reject(self, target: Target, reason: str, detail: str) -> None:
         REPORTS_REJECTED.labels(namespace=self.namespace, llmservice=self.service, reason=reason).inc()
@@ -108,12 +141,12 @@ class Scraper:
         since = self._failing_since.setdefault(target.pod, time.time())
         return AgentMiss(target.pod, kind, detail, since, agent_error)
 
-    async def _one(self, target: Target) -> Scraped | AgentMiss:
-        assert self._session is not None
-        url = f"http://{target.ip}:{target.port}/report"
-        async with self._sem:
+    async def _one(self, shared: _Shared, target: Target) -> Scraped | AgentMiss:
+        host = f"[{target.ip}]" if ":" in target.ip else target.ip  # an IPv6 pod IP
+        url = f"http://{host}:{target.port}/report"
+        async with shared.bound:
             try:
-                async with self._session.get(url, allow_redirects=False) as resp:
+                async with shared.session.get(url, allow_redirects=False) as resp:
                     if resp.status == 503:
                         # the agent's fallback: vLLM runs, the agent could not start, and says why
                         said = agent_error_of(await _read_at_most(resp.content, MAX_ERROR_BODY))
@@ -149,9 +182,8 @@ class Scraper:
         self._failing_since = {p: since for p, since in self._failing_since.items() if p in pods}
         if not targets:
             return Scrape()
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=TIMEOUT, raise_for_status=False)
-        results = await asyncio.gather(*(self._one(t) for t in targets))
+        shared = _shared()
+        results = await asyncio.gather(*(self._one(shared, t) for t in targets))
         return Scrape(
             [r for r in results if isinstance(r, Scraped)], [r for r in results if isinstance(r, AgentMiss)]
         )

@@ -30,6 +30,9 @@ Rules, in the order they are tried (the first that applies wins):
  4. Rollout failed (ProgressDeadlineExceeded) -> roll back to last-known-good; with nothing
     to roll back to -> Degraded.
  5. EngineError under flags that differ from last-known-good -> roll back.
+ 5b. Any other EngineError: the first is said once ("none", reason EngineError; the pod
+    restarts); a repeat (a later run of the same pod, or two pods at once) is a crash loop
+    -> Degraded "EngineCrashLoop", quoting the engine's last error line.
  6. Within 15 min of a grow, the bottleneck's headroom fell below the minimum -> roll back
     to the budget before the grow ("HeadroomWorse").
  7. Bottleneck headroom below spec.memory.minHeadroomBytes for >= 60 s -> shrink by
@@ -43,7 +46,8 @@ Guard rails on every flag change except "initial": spec.remediation.enabled fals
 then (rollbacks exempt: returning to known flags is always allowed) cooldown and maxPerHour
 -> "hold" with `retry_after`. Every budget is whole KV blocks, never below the floor
 (budget.kv_floor: one request at max_model_len, spec.remediation.minKVCacheBytes; below it ->
-"degrade" at the floor) and never grown above the ceiling (budget.kv_ceiling, and for 24 h
+"degrade" at the floor, and a CUDA OOM with the budget already there -> "degrade" OOMAtFloor,
+with no further roll) and never grown above the ceiling (budget.kv_ceiling, and for 24 h
 never back past a budget that crashed or was under pressure).
 
 Terminations of pods that ran other flags than the current ones are superseded (the change
@@ -61,9 +65,10 @@ from rankguard_operator.core.policy.trackers import (
     track_ample_headroom,
     track_low_headroom,
 )
-from rankguard_operator.core.policy.tunables import DEFAULT_START_UTILIZATION
+from rankguard_operator.core.policy.tunables import CRASH_TRIGGERS, DEFAULT_START_UTILIZATION
 
 __all__ = [
+    "CRASH_TRIGGERS",
     "DEFAULT_START_UTILIZATION",
     "Action",
     "Decision",

@@ -10,7 +10,7 @@ from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
-from rankguard_operator.core.policy.tunables import KNOBS
+from rankguard_operator.core.policy.tunables import KNOBS, T_CUDA_OOM
 from rankguard_operator.core.spec import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
@@ -66,6 +66,8 @@ def budget_change(
         if cur.kv_cache_memory_bytes is None or cur.kv_cache_memory_bytes > floor:
             flags = cur.with_kv(floor)
             did = f"rankguard sets the floor {format_bytes(floor)} and reports the service Degraded"
+        elif trigger == T_CUDA_OOM:
+            return oom_at_floor(inp, why, floor, floor_why, rank=rank, handled=handled)
         else:
             flags = cur
             did = f"the budget is already at the floor {format_bytes(floor)}; the service is Degraded"
@@ -91,6 +93,37 @@ def budget_change(
         reason={"shrink": "ShrankKVCache", "grow": "GrewKVCache"}.get(action, "Replanned"),
         message=f"{why}; {verb} the per-GPU KV budget from {format_bytes(base)} to "
         f"{format_bytes(target)}{how}",
+        rank=rank,
+        handled=handled,
+    )
+
+
+def oom_at_floor(
+    inp: PolicyInput, why: str, floor: int, floor_why: str, *, rank: int | None, handled: Sequence[str]
+) -> Decision:
+    """A CUDA OOM with the budget already at its floor: no smaller budget is allowed, so there is
+    nothing left to roll. Degraded (status keeps it while the flags and the spec stay), naming
+    what a person can change."""
+    cur = inp.current
+    assert cur is not None
+    lower_floor = (
+        "lower spec.remediation.minKVCacheBytes (it sets this floor), "
+        if inp.spec.remediation.min_kv_cache_bytes == floor
+        else ""
+    )
+    return make_decision(
+        inp,
+        "degrade",
+        cur,
+        trigger=T_CUDA_OOM,
+        reason="OOMAtFloor",
+        message=(
+            f"{why}, and the per-GPU KV budget is already at its floor {format_bytes(floor)} "
+            f"({floor_why}): rankguard cannot shrink it further and rolls nothing more. To fix: "
+            f"{lower_floor}lower spec.engine.maxModelLen or spec.engine.maxNumSeqs, spread the model "
+            "over more GPUs (spec.tensorParallelSize), set spec.engine.kvCacheDtype: fp8, or use "
+            "GPUs with more memory"
+        ),
         rank=rank,
         handled=handled,
     )

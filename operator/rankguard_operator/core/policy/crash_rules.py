@@ -1,9 +1,10 @@
-"""Rules 1-5: a run ended badly (CUDA OOM, KV cache too small, OOMKilled, a failed rollout, an
-engine error after a change)."""
+"""Rules 1-5b: a run ended badly (CUDA OOM, KV cache too small, OOMKilled, a failed rollout, an
+engine error after a change, an engine error no rollback can fix)."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from rankguard_operator.core.budget import kv_floor
@@ -293,4 +294,77 @@ def rule_engine_error(inp: PolicyInput, rel: Sequence[Termination]) -> Decision 
         ),
         rank=t.rank,
         handled=[x.key for x in errs],
+    )
+
+
+# The engine's last error line as quoted in a condition or an Event: enough for a Python
+# exception and its message, short enough to read in `kubectl describe`.
+ERROR_LINE_CHARS = 300
+# vLLM's log prefix, `(EngineCore_DP0 pid=8238) ERROR 12-01 12:51:46 [core.py:779] `
+_LOG_PREFIX = re.compile(
+    r"^(\([^)]*\)\s+)?(ERROR|WARNING|INFO|CRITICAL)\s+\d\d-\d\d [\d:]{8}\s+\[[^\]]*\]\s*"
+)
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def last_error_line(message: str) -> str:
+    """What the engine said last, bounded: its last two exception lines (vLLM ends a failed
+    start with the root cause, then "Engine core initialization failed. See root cause
+    above."), without log prefixes; else its last line. The agent joins lines with " | "."""
+    parts = [_LOG_PREFIX.sub("", part).strip() for line in message.splitlines() for part in line.split(" | ")]
+    parts = [p for p in parts if p]
+    errors = [p for p in parts if _EXCEPTION.match(p)]
+    line = " | ".join(errors[-2:] or parts[-1:]) or "no error line was recorded"
+    return line if len(line) <= ERROR_LINE_CHARS else line[: ERROR_LINE_CHARS - 1] + "\u2026"
+
+
+def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    """Rule 5b: an engine error that no rollback can fix (nothing to roll back to, or the flags
+    are the known good ones). The first one is said once (the pod restarts, it may pass); a
+    repeat (a later run of the same pod, or two pods at once) is a crash loop: Degraded, with
+    the engine's own last error line and what a person can change."""
+    errs = [t for t in rel if t.kind == ENGINE_ERROR and not engine_error_actionable(inp, t)]
+    if not errs:
+        return None
+    cur = inp.current
+    assert cur is not None
+    keys = [t.key for t in errs]
+    t = max(errs, key=lambda x: (x.restart_count, x.finished_at or 0.0))
+    line = last_error_line(t.message)
+    code = "" if t.exit_code is None else f", exit code {t.exit_code}"
+    if t.restart_count < 1 and len(errs) < 2:
+        return make_decision(
+            inp,
+            "none",
+            cur,
+            trigger=T_ENGINE_ERROR,
+            reason="EngineError",
+            message=(
+                f'vLLM exited with an engine error in pod {t.pod_name}{code}: "{line}"; the pod '
+                "restarts. If it fails again rankguard reports the service Degraded (EngineCrashLoop)"
+            ),
+            rank=t.rank,
+            handled=keys,
+        )
+    runs = max(t.restart_count + 1, len(errs))
+    lkg = inp.last_known_good
+    why = (
+        "there are no other known good flags to roll back to"
+        if lkg is None or lkg == cur
+        else "the error is not the latest change's (it came before it)"
+    )
+    return make_decision(
+        inp,
+        "degrade",
+        cur,
+        trigger=T_ENGINE_ERROR,
+        reason="EngineCrashLoop",
+        message=(
+            f"vLLM keeps exiting with an engine error ({runs} runs ended; pod {t.pod_name}{code}): "
+            f'"{line}". This is not a memory failure rankguard can fix, and {why}; fix what the '
+            "error names (spec.engine.extraArgs, spec.image, spec.model, or spec.template: env, "
+            "secrets, volumes, node placement) and apply the change"
+        ),
+        rank=t.rank,
+        handled=keys,
     )

@@ -16,6 +16,7 @@ from rankguard_operator.core.observe import (
 from rankguard_operator.core.policy.crash_rules import (
     engine_error_actionable,
     rule_cuda_oom,
+    rule_engine_crash_loop,
     rule_engine_error,
     rule_kv_too_small,
     rule_oom_killed,
@@ -86,6 +87,7 @@ RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ..
     rule_oom_killed,
     rule_rollout_failed,
     rule_engine_error,
+    rule_engine_crash_loop,
     rule_headroom_worse,
     rule_low_headroom,
     rule_replan,

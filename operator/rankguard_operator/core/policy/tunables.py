@@ -48,6 +48,8 @@ T_COOLDOWN = "Cooldown"
 T_RATE_LIMIT = "RateLimit"
 T_DISABLED = "RemediationDisabled"
 T_FLOOR = "Floor"
+# The triggers of a run that ended badly: a decision about one is said once per termination.
+CRASH_TRIGGERS = (T_CUDA_OOM, T_KV_TOO_SMALL, T_OOM_KILLED, T_ENGINE_ERROR)
 
 KNOBS = (
     "lower spec.engine.maxModelLen or spec.engine.maxNumSeqs, raise spec.tensorParallelSize, "

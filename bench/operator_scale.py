@@ -1,0 +1,426 @@
+"""Benchmark: what one operator costs with N LLMServices (issue 13), on the local control plane.
+
+For each N (`--services 25,100`) a fresh control plane (etcd + kube-apiserver + controllers
+from the testbin) starts with an audit log (Metadata level, one JSON line per request stage),
+the CRD is installed, and the operator runs as in its container (`python -m rankguard_operator`,
+a subprocess, its default scrape interval) under an identity of its own: the chart's
+ServiceAccount and cluster-wide ClusterRole (`helm template`, RBAC objects only), with a
+TokenRequest token, so its requests are told apart in the audit log by `user.username`.
+
+The bench creates N TP8 LLMServices (examples/llama3-70b-tp4.yaml at tensor parallel 8) with
+bounded concurrency. No node has GPUs, so every serving pod stays Pending: the intended steady
+state. It measures, per N:
+
+- time to status: from the first create until every LLMService has `status.phase` and
+  `status.observedGeneration == metadata.generation` (one watch, no polling);
+- over a steady window (`--window`; it starts `--settle` s after the last first status, once
+  no LLMService changed for `--quiet` s, or at `--settle-max`): the operator's CPU s per minute
+  (utime + stime of /proc/<pid>/stat: every thread), its RSS (VmRSS; peak VmHWM at the end of
+  the N), and its API requests per service per minute from the audit log, counted once per
+  request at its RequestReceived stage (a WATCH counts once, when it is opened);
+- spec -> status lag: `--changes` services at random get a spec edit the operator must
+  acknowledge (spec.remediation.cooldownSeconds, so generation increments; nothing rolls),
+  timed from the patch's response to the watch delivering observedGeneration >= the new one;
+- report -> status lag (`--report-cohort K`, 0 = off): K services' pods are made Running and
+  Ready by the bench (scale_cohort.py) and answered by fake agents; one rank's free memory
+  changes and the time until status.ranks[].headroomBytes shows it is recorded.
+
+Targets (issue 13): < 1 core (60 CPU s/min), < 300 MiB RSS, < 5 API requests per service per
+minute, status lag p99 < 15 s. A missed target is reported, never an exit code; setup failures
+exit non-zero.
+
+    .venv/bin/python bench/operator_scale.py [--services 25,100] [--window 60] [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from rankguard_operator.edge.config import OperatorConfig
+from rankguard_sim.cluster import K8S_VERSION, ControlPlane
+from rankguard_sim.world import OperatorProcess, create_namespace, install_crd
+from scale_cohort import MIB, FakeAgents, FakeNode, cohort_ips, free_port_on, run_pod
+from scale_measure import (
+    ScaleResult,
+    breakdown_rows,
+    count_log_errors,
+    count_requests,
+    cpu_seconds_per_minute,
+    cpu_ticks,
+    env_summary,
+    first_status_rows,
+    headers,
+    memory_bytes,
+    parse_counts,
+    parse_env,
+    render_table,
+    summary_rows,
+)
+from scale_watch import GROUP, PLURAL, VERSION, ServiceWatch
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "llama3-70b-tp4.yaml"
+CHART = REPO / "charts" / "rankguard"
+OPERATOR_NS, BENCH_NS = "rankguard-system", "bench"
+SERVICE_LABEL = "rankguard.io/llmservice"
+BASE_MIN_FREE = 6 * 1024 * MIB  # ample headroom: no policy rule acts on it
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Sandbox:
+    cp: ControlPlane
+    api: Any
+    op: OperatorProcess
+    username: str  # the operator's user in the audit log
+    audit_log: Path
+
+
+def operator_identity(cp: ControlPlane, api: Any, workdir: Path) -> tuple[Path, str]:
+    """The chart's ServiceAccount and cluster-wide RBAC, and a kubeconfig with its token."""
+    create_namespace(api, OPERATOR_NS)
+    rendered = cp.helm(
+        "template", "rankguard", str(CHART), "-n", OPERATOR_NS, f"--kube-version={K8S_VERSION}",
+        "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml",
+    ).stdout  # fmt: skip
+    cp.kubectl("apply", "-n", OPERATOR_NS, "-f", "-", input=rendered)
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    account = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
+    if not any(d["kind"] == "ClusterRoleBinding" for d in docs):
+        raise RuntimeError("the chart rendered no ClusterRoleBinding for a cluster-wide install")
+    # TokenRequest, as the kubelet projects into the chart's pod; long enough for N=1,000.
+    tr = client.CoreV1Api(api).create_namespaced_service_account_token(
+        account, OPERATOR_NS, {"spec": {"expirationSeconds": 86400}}
+    )
+    kubeconfig = cp.token_kubeconfig(tr.status.token, workdir / "operator.kubeconfig")
+    return kubeconfig, f"system:serviceaccount:{OPERATOR_NS}:{account}"
+
+
+@contextmanager
+def sandbox(operator_env: dict[str, str], keep: bool) -> Iterator[Sandbox]:
+    """A control plane with an audit log, the CRD, the bench namespace, and the operator."""
+    workdir = Path(tempfile.mkdtemp(prefix="rankguard-scale-"))
+    audit = workdir / "audit.log"
+    cp = ControlPlane.start(workdir / "cp", audit_log=audit)
+    api: Any = None
+    op: OperatorProcess | None = None
+    try:
+        install_crd(cp)
+        api = cp.api_client()
+        kubeconfig, username = operator_identity(cp, api, workdir)
+        create_namespace(api, BENCH_NS)
+        env = {"RANKGUARD_WATCH_NAMESPACES": BENCH_NS, **operator_env}
+        op = OperatorProcess(kubeconfig, workdir / "operator.log", env_extra=env)
+        op.start()
+        op.wait_ready()
+        yield Sandbox(cp, api, op, username, audit)
+    finally:
+        if op is not None:
+            op.stop()
+        if api is not None:
+            api.close()
+        cp.stop()
+        if keep:
+            log(f"kept {workdir} (audit log, operator log, control-plane logs)")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def service_doc(template: dict[str, Any], name: str, tp: int, agent_port: int | None) -> dict[str, Any]:
+    doc = copy.deepcopy(template)
+    doc["metadata"] = {"name": name}
+    doc["spec"]["tensorParallelSize"] = tp
+    if agent_port is not None:  # the cohort's fake agents listen on a port free on this machine
+        doc["spec"].setdefault("agent", {})["port"] = agent_port
+    return doc
+
+
+def create_all(api: Any, docs: list[dict[str, Any]], concurrency: int) -> None:
+    custom = client.CustomObjectsApi(api)
+
+    def create(doc: dict[str, Any]) -> None:
+        for attempt in range(5):
+            try:
+                custom.create_namespaced_custom_object(GROUP, VERSION, BENCH_NS, PLURAL, doc)
+                return
+            except ApiException as e:
+                if e.status == 409 and attempt:  # a retry of a create that went through
+                    return
+                if e.status not in (429, 500, 503, 504) or attempt == 4:
+                    raise
+            time.sleep(0.5 * (attempt + 1))
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(create, d) for d in docs]:
+            f.result()
+
+
+def proc_sample(pid: int) -> tuple[int, dict[str, int]]:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    status = Path(f"/proc/{pid}/status").read_text()
+    return cpu_ticks(stat), memory_bytes(status)
+
+
+def steady_window(box: Sandbox, sw: ServiceWatch, res: ScaleResult, window: float) -> None:
+    """CPU, RSS and the operator's API requests over `window` seconds of doing nothing."""
+    assert box.op.proc is not None
+    pid = box.op.proc.pid
+    offset = box.audit_log.stat().st_size  # what is written after this was received after it
+    ticks0, _ = proc_sample(pid)
+    wall0, mono0 = time.time(), time.monotonic()
+    time.sleep(window)
+    ticks1, mem = proc_sample(pid)
+    wall1, mono1 = time.time(), time.monotonic()
+    res.window_seconds = mono1 - mono0
+    res.cpu_per_minute = cpu_seconds_per_minute(ticks1 - ticks0, os.sysconf("SC_CLK_TCK"), res.window_seconds)
+    res.rss_bytes = mem.get("VmRSS", 0)
+    res.changes_seen = sw.modified_between(mono0, mono1)
+    res.requests = audit_count(box, offset, wall0, wall1)
+
+
+def audit_count(box: Sandbox, offset: int, start: float, end: float) -> Counter[str]:
+    """The operator's requests received in [start, end) (wall clock), read from `offset` on."""
+    time.sleep(3.0)  # batch mode flushes at least every second
+    with box.audit_log.open("rb") as f:
+        f.seek(offset)
+        return count_requests(f, box.username, start, end)
+
+
+def spec_lags(
+    api: Any, sw: ServiceWatch, names: list[str], every: float, timeout: float
+) -> tuple[list[float], int]:
+    """Edit each service's spec (generation + 1), one every `every` s, then collect each lag."""
+    custom = client.CustomObjectsApi(api)
+    changed: list[tuple[str, int, float]] = []
+    for i, name in enumerate(names):
+        body = {"spec": {"remediation": {"cooldownSeconds": 301 + i}}}
+        got = custom.patch_namespaced_custom_object(
+            GROUP, VERSION, BENCH_NS, PLURAL, name, body, _content_type="application/merge-patch+json"
+        )
+        changed.append((name, int(got["metadata"]["generation"]), time.monotonic()))
+        time.sleep(every)
+    deadline = time.monotonic() + timeout
+    return collect_lags(
+        [
+            (at, lambda n=name, g=generation: sw.observed_at(n, g, deadline))
+            for name, generation, at in changed
+        ]
+    )
+
+
+def collect_lags(changes: list[tuple[float, Any]]) -> tuple[list[float], int]:
+    """(lags, missed) of changes made at `at` and seen when their lookup says (None: never)."""
+    lags, missed = [], 0
+    for at, seen_at in changes:
+        seen = seen_at()
+        if seen is None:
+            missed += 1
+        else:
+            lags.append(max(0.0, seen - at))
+    return lags, missed
+
+
+def report_lags(
+    api: Any, sw: ServiceWatch, names: list[str], agents: FakeAgents, args: argparse.Namespace
+) -> tuple[list[float], int]:
+    """Make the cohort's pods Running/Ready, wait until their headroom shows, then change one
+    rank's free memory at a time (every (pod, rank) at most once, so no change hides another)."""
+    core = client.CoreV1Api(api)
+    ips = agents.ips
+    for name, ip in zip(names, ips, strict=True):
+        pods = [
+            p
+            for p in core.list_namespaced_pod(BENCH_NS, label_selector=f"{SERVICE_LABEL}={name}").items
+            if not p.metadata.deletion_timestamp
+        ]
+        if len(pods) != 1:
+            raise RuntimeError(f"{name}: expected one serving pod, found {len(pods)}")
+        run_pod(api, BENCH_NS, pods[0], ip)
+    deadline = time.monotonic() + args.lag_timeout
+    for name in names:
+        for rank in range(args.tp):
+            if sw.headroom_at(name, rank, BASE_MIN_FREE, deadline) is None:
+                # the operator's finding, not the bench's failure: every change counts as missed
+                log(f"{name}: rank {rank}'s reported headroom never reached the status; see --keep")
+                return [], args.report_changes
+    pairs = [(i, r) for r in range(args.tp) for i in range(len(names))][: args.report_changes]
+    changed: list[tuple[str, int, int, float]] = []
+    for n, (i, rank) in enumerate(pairs):
+        value = BASE_MIN_FREE - (n + 1) * 64 * MIB  # unique, so each change is its own to find
+        changed.append((names[i], rank, value, agents.set_min_free(ips[i], rank, value)))
+        time.sleep(args.change_every)
+    deadline = time.monotonic() + args.lag_timeout
+    return collect_lags(
+        [
+            (at, lambda n=name, r=rank, v=value: sw.headroom_at(n, r, v, deadline))
+            for name, rank, value, at in changed
+        ]
+    )
+
+
+def measure(
+    box: Sandbox,
+    sw: ServiceWatch,
+    res: ScaleResult,
+    docs: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> None:
+    """Create the services, time their first status, then the steady window and spec lags."""
+    names = [str(d["metadata"]["name"]) for d in docs]
+    n = len(names)
+    log(f"N={n}: operator up as {box.username}; creating {n} LLMServices")
+    assert box.op.proc is not None
+    offset, ticks0 = box.audit_log.stat().st_size, proc_sample(box.op.proc.pid)[0]
+    wall0, t0 = time.time(), time.monotonic()
+    create_all(box.api, docs, args.concurrency)
+    res.create_seconds = time.monotonic() - t0
+    res.status_seconds = sw.all_synced(names, t0 + args.timeout) - t0
+    res.create_cpu_seconds = (proc_sample(box.op.proc.pid)[0] - ticks0) / os.sysconf("SC_CLK_TCK")
+    res.create_requests = audit_count(box, offset, wall0, wall0 + res.status_seconds)
+    log(f"N={n}: created in {res.create_seconds:.1f} s, all have status after {res.status_seconds:.1f} s")
+    # The steady state starts once the first passes' follow-ups are done: at least --settle
+    # seconds, then until no LLMService changed for --quiet seconds (at most --settle-max).
+    synced = time.monotonic()
+    time.sleep(args.settle)
+    res.settled_quiet = sw.wait_quiet(args.quiet, synced + args.settle_max)
+    res.settle_seconds = time.monotonic() - synced
+    steady_window(box, sw, res, args.window)
+    log(
+        f"N={n}: steady window: {res.cpu_per_minute:.1f} CPU s/min, "
+        f"{res.requests_per_service_minute:.2f} requests/service/min"
+    )
+    picked = random.Random(args.seed).sample(names, min(args.changes, n))
+    res.spec_lags, res.spec_missed = spec_lags(box.api, sw, picked, args.change_every, args.lag_timeout)
+
+
+def run_one(n: int, args: argparse.Namespace, operator_env: dict[str, str]) -> ScaleResult:
+    started = time.monotonic()
+    res = ScaleResult(services=n, report_cohort=min(args.report_cohort, n))
+    template = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d.get("kind") == "LLMService")
+    ips = cohort_ips(res.report_cohort)
+    port = free_port_on(ips) if ips else None
+    names = [f"svc-{i:04d}" for i in range(n)]
+    docs = [service_doc(template, nm, args.tp, port if i < len(ips) else None) for i, nm in enumerate(names)]
+    with sandbox(operator_env, args.keep) as box:
+        sw = ServiceWatch(box.api, BENCH_NS)
+        sw.start()
+        try:
+            measure(box, sw, res, docs, args)
+            if ips and port is not None:
+                total = int(template["spec"]["memory"]["gpuMemoryBytes"])
+                agents, node = FakeAgents(ips, port, args.tp, total, BASE_MIN_FREE), FakeNode(box.api)
+                try:
+                    agents.start()
+                    node.start()
+                    res.report_lags, res.report_missed = report_lags(
+                        box.api, sw, names[: len(ips)], agents, args
+                    )
+                finally:
+                    node.stop()
+                    agents.stop()
+        finally:
+            sw.stop()
+        assert box.op.proc is not None
+        res.peak_rss_bytes = proc_sample(box.op.proc.pid)[1].get("VmHWM", 0)
+        res.log_errors = count_log_errors(box.op.log.read_text(errors="replace").splitlines())
+    res.took_seconds = time.monotonic() - started
+    log(f"N={n}: done in {res.took_seconds:.0f} s")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--services", default="25,100", help="comma-separated N, each on a fresh control plane")
+    ap.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
+    # A pod unschedulable for 30 s turns its service Degraded (core/blockers.py): one status write
+    # and one Event per service, once; at N=1,000 those spread over minutes. Not the steady state.
+    ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last status, at least")
+    ap.add_argument("--quiet", type=float, default=30.0, help="then until no LLMService changed this long")
+    ap.add_argument("--settle-max", type=float, default=300.0, help="but at most this long after the status")
+    ap.add_argument("--tp", type=int, default=8, help="tensorParallelSize of every LLMService")
+    ap.add_argument("--changes", type=int, default=20, help="spec edits timed to status, per N")
+    ap.add_argument("--change-every", type=float, default=1.0, help="seconds between two timed changes")
+    ap.add_argument(
+        "--report-cohort", type=int, default=4, help="services whose pods the bench runs (0: off)"
+    )
+    ap.add_argument("--report-changes", type=int, default=20, help="agent report changes timed to status")
+    ap.add_argument("--concurrency", type=int, default=8, help="threads creating LLMServices")
+    ap.add_argument(
+        "--timeout", type=float, default=900.0, help="limit for every N's services to get a status"
+    )
+    ap.add_argument(
+        "--lag-timeout", type=float, default=120.0, help="limit for the changes to show, after the last"
+    )
+    ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--operator-env", action="append", default=[], metavar="KEY=VAL", help="repeatable")
+    ap.add_argument("--keep", action="store_true", help="keep each N's folder (logs, audit log)")
+    ap.add_argument("--verbose", action="store_true", help="also the requests by verb and resource")
+    args = ap.parse_args()
+    try:
+        counts = parse_counts(args.services)
+        # OperatorProcess sets a 1 s scrape interval for the tests; the bench runs the default.
+        operator_env = {
+            "RANKGUARD_SCRAPE_INTERVAL": f"{OperatorConfig().scrape_interval:g}",
+            **parse_env(args.operator_env),
+        }
+    except ValueError as e:
+        ap.error(str(e))
+    results: list[ScaleResult] = []
+    failed: str | None = None
+    for n in counts:
+        try:
+            results.append(run_one(n, args, operator_env))
+        except Exception as e:  # a setup failure: report what ran, exit non-zero
+            failed = f"N={n}: {type(e).__name__}: {e}"
+            log(failed)
+            break
+    if results:
+        print(
+            f"operator at scale: TP{args.tp} LLMServices, pods Pending (no GPU node); "
+            f"window {args.window:g} s; operator env {env_summary(operator_env)}; "
+            f"python {platform.python_version()}, {os.cpu_count()} CPUs"
+        )
+        print()
+        print(render_table(headers(results), summary_rows(results)))
+        if args.verbose:
+            print()
+            print("API requests per service per minute in the window, by verb and resource")
+            print("(counted at RequestReceived: a WATCH once, when opened):")
+            print()
+            print(render_table(headers(results, last=None, first="request"), breakdown_rows(results)))
+            print()
+            print("API requests per service from the first create until every service had its status:")
+            print()
+            print(render_table(headers(results, last=None, first="request"), first_status_rows(results)))
+    if failed:
+        print(f"setup failed: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with suppress(KeyboardInterrupt):
+        sys.exit(main())
+    sys.exit(130)

@@ -1,0 +1,148 @@
+"""Failing loudly, and once (DESIGN §7): budgets no GPU can run refused before anything is
+deployed, and one Event per change of the Degraded condition rather than one per pass.
+
+* `gpu_size`: one GPU's memory as far as anything says (the spec, what the agents measured and
+  status keeps, the nodes' GPU Feature Discovery labels), with where it comes from.
+* `check_budget_fits`: the spec's budget inputs against that size and against one request of
+  maxModelLen (the model's own KV layout): a pinned budget vLLM would refuse at start-up, a
+  floor no GPU of this size can hold. Raises `SpecError`, so the step refuses the spec (phase
+  Failed, reason InvalidSpec) and applies nothing.
+* `degraded_event`: the Warning Event for a Degraded condition that became True or changed its
+  reason in this pass; a state that lasts is said once. The previous condition, as stored,
+  says what was said (as core/pod_world does for AgentReady and ModelCacheReady).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from rankguard_operator.core.conditions import Condition, condition
+from rankguard_operator.core.effects import PostEvent
+from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes
+from rankguard_operator.core.kv_model import default_block_size, resolve_max_model_len, stage_layouts
+from rankguard_operator.core.model_source import ModelResolution
+from rankguard_operator.core.planner import PlanError
+from rankguard_operator.core.spec import ServiceSpec, SpecError
+from rankguard_operator.core.units import format_bytes
+
+# --------------------------------------------------------------------------------------------
+# Budgets no GPU can run
+
+
+def gpu_size(spec: ServiceSpec, learned: int | None, node: NodeGpu | None) -> tuple[int, str] | None:
+    """(one GPU's bytes, where that figure comes from), or None while nothing says."""
+    if spec.memory.gpu_memory_bytes is not None:
+        return spec.memory.gpu_memory_bytes, "spec.memory.gpuMemoryBytes"
+    size = planning_gpu_bytes(learned, node)
+    if size is None:
+        return None
+    if node is not None and size == node.bytes:
+        return size, f"the GPU Feature Discovery labels of node {node.node or '(unnamed)'}"
+    return size, "the agents' measurement (status.gpuMemoryBytes)"
+
+
+def request_floor(spec: ServiceSpec, model: ModelResolution) -> int | None:
+    """The per-GPU KV bytes of one request at maxModelLen plus the block(s) vLLM holds back
+    (below it vLLM refuses to start), from the model's KV layout; None for a model the planner
+    does not model (measure-first) or does not know yet."""
+    shape = model.plan_shape
+    if shape is None:
+        return None
+    e = spec.engine
+    try:
+        layouts = stage_layouts(
+            shape,
+            spec.tp,
+            pp=spec.pp,
+            kv_cache_dtype=e.kv_cache_dtype,
+            dtype=e.dtype,
+            block_size=e.block_size or default_block_size(shape),
+            max_num_batched_tokens=e.max_num_batched_tokens,
+        )
+        mml = resolve_max_model_len(shape, e.max_model_len)
+        return max(lay.min_budget_bytes(mml) for lay in layouts)
+    except (PlanError, ValueError):
+        return None
+
+
+def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int, str] | None) -> None:
+    """Raise SpecError when the spec asks for a KV budget no start can have: a pinned budget
+    below one request at maxModelLen, or a pinned budget, a floor or one request that does not
+    fit in one GPU. Only what is certain: the GPU's whole memory, not an estimate of what the
+    weights leave (a floor above that starts at the floor, Degraded, as before)."""
+    pinned = spec.memory.kv_cache_memory_bytes
+    floor = spec.remediation.min_kv_cache_bytes
+    one = request_floor(spec, model)
+    mml = spec.engine.max_model_len
+    request = (
+        f"one request of spec.engine.maxModelLen ({mml} tokens)"
+        if mml
+        else "one request of the model's full context"
+    )
+    if pinned is not None and one is not None and pinned < one:
+        raise SpecError(
+            f"spec.memory.kvCacheMemoryBytes ({pinned} bytes, {format_bytes(pinned)}) cannot hold "
+            f"{request}, which needs {one} bytes ({format_bytes(one)}) per GPU: vLLM would refuse to "
+            f"start. Raise it to at least {one}, lower spec.engine.maxModelLen, or remove it to let "
+            "rankguard plan the budget"
+        )
+    if gpu is None:
+        return
+    size, where = gpu
+    gpu_text = f"one GPU's memory ({format_bytes(size)}, from {where})"
+    if pinned is not None and pinned >= size:
+        raise SpecError(
+            f"spec.memory.kvCacheMemoryBytes ({format_bytes(pinned)}) is not below {gpu_text}: the "
+            "KV cache shares each GPU with the weights, activations and NCCL buffers; lower it, or "
+            "remove it to let rankguard plan the budget"
+        )
+    if floor is not None and floor >= size:
+        raise SpecError(
+            f"spec.remediation.minKVCacheBytes ({format_bytes(floor)}, the floor of the per-GPU KV "
+            f"budget) is not below {gpu_text}, so no budget can satisfy it; lower it well below the "
+            "GPU's memory (the weights, activations and NCCL buffers share each GPU), or remove it"
+        )
+    if one is not None and one >= size:
+        raise SpecError(
+            f"{request} needs {format_bytes(one)} of KV cache per GPU, not less than {gpu_text}; "
+            "lower spec.engine.maxModelLen, spread the model over more GPUs "
+            "(spec.tensorParallelSize, spec.pipelineParallelSize), or set spec.engine.kvCacheDtype: fp8"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# One Event per change
+
+
+def degraded_event(
+    stored: Sequence[Mapping[str, Any]],
+    new: Sequence[Mapping[str, Any]],
+    posted: Iterable[str] = (),
+) -> PostEvent | None:
+    """The Warning Event for Degraded when this pass made it True or changed its reason; None
+    when it says what the stored condition said, or when an Event of that reason was already
+    posted in this pass (a decision's own)."""
+    now = condition(new, Condition.DEGRADED)
+    if now is None or now.get("status") != "True":
+        return None
+    before = condition(stored, Condition.DEGRADED)
+    reason = str(now.get("reason") or "Degraded")
+    if before is not None and before.get("status") == "True" and before.get("reason") == reason:
+        return None
+    if reason in set(posted):
+        return None
+    return PostEvent("Warning", reason, str(now.get("message") or ""), repeat=True)
+
+
+def said_before(stored: Sequence[Mapping[str, Any]], reason: str, message: str) -> bool:
+    """The stored Degraded condition already says exactly this (an invalid spec re-read)."""
+    before = condition(stored, Condition.DEGRADED)
+    return (
+        before is not None
+        and before.get("status") == "True"
+        and before.get("reason") == reason
+        and before.get("message") == message
+    )
