@@ -1,5 +1,8 @@
 """The Helm chart against real Helm and a real API server.
 
+(Over 450 lines because every install shape shares one installed-chart harness and the one
+table of the operator's documented permissions; split, each part would rebuild both.)
+
 - `helm lint --strict` and `helm template` are clean for every install shape; Helm's own
   schema validation refuses unknown and mistyped values.
 - the chart's CRD is crds/llmservice.yaml, in `helm template --include-crds`, `helm show crds`
