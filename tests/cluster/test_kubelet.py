@@ -468,6 +468,11 @@ def test_probes_liveness_restarts_and_exec_readiness(
     delete_and_wait(api, namespace, "probed")
 
 
+def printed_up(kubelet: ProcessKubelet, namespace: str, name: str) -> bool:
+    log_path = kubelet.log_path(namespace, name, "main")
+    return log_path is not None and log_path.exists() and "up" in log_path.read_text().split()
+
+
 def test_force_deletion_grace_periods_and_stop_leave_no_process_or_thread(
     api: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
@@ -504,6 +509,9 @@ def test_force_deletion_grace_periods_and_stop_leave_no_process_or_thread(
         pids: dict[str, list[int]] = {}
         for name in ("forced", "stubborn", "survivor"):
             pids[name] = wait_for(f"{name} to run", functools.partial(kubelet.pod_pids, namespace, name))
+        # A SIGTERM that lands before the child has installed SIG_IGN kills it at once, so wait for
+        # the line it prints after doing so.
+        wait_for("stubborn to ignore SIGTERM", functools.partial(printed_up, kubelet, namespace, "stubborn"))
         # Force deletion: the pod object is gone at once; the kubelet still kills what ran.
         core.delete_namespaced_pod("forced", namespace, grace_period_seconds=0)
         assert wait_for_pids_gone(pids["forced"], timeout=10) == []
