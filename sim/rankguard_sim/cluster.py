@@ -38,6 +38,8 @@ from .certs import Pki, make_pki
 from .testbin import testbin_dir
 
 if TYPE_CHECKING:
+    from kubernetes import client
+
     from .provisioner import LocalProvisioner
 
 K8S_VERSION = "v1.34.4"
@@ -186,12 +188,9 @@ class ControlPlane:
         return cp
 
     def _start_storage(self) -> None:
-        from kubernetes import client  # noqa: PLC0415 - the client is only needed from here on
-
         from .provisioner import LocalProvisioner  # noqa: PLC0415 - it imports the client
 
         api = self.api_client()
-        assert isinstance(api, client.ApiClient)
         try:
             self.provisioner = LocalProvisioner(api, self.volumes_dir)
             self.provisioner.start()
@@ -465,8 +464,8 @@ class ControlPlane:
             raise subprocess.CalledProcessError(r.returncode, r.args, r.stdout, r.stderr)
         return r
 
-    def api_client(self) -> object:
-        """A kubernetes.client.ApiClient for this cluster (typed as object: the client is untyped)."""
+    def api_client(self) -> client.ApiClient:
+        """A kubernetes.client.ApiClient for this cluster, from its admin kubeconfig."""
         from kubernetes import config  # noqa: PLC0415 - only needed by callers that ask
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))

@@ -28,3 +28,15 @@ def wait_for(
     raise AssertionError(
         f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r:.2000}{context}"
     )
+
+
+def let_time_pass(seconds: float, stop: Callable[[], Any] | None = None, every: float = 0.2) -> bool:
+    """Let `seconds` pass where time passing is itself the point (an outage's length, the moment
+    a fault drill strikes), checking `stop` meanwhile. Return True as soon as `stop()` is truthy,
+    False once the time is up."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if stop is not None and stop():
+            return True
+        time.sleep(min(every, left))
+    return bool(stop is not None and stop())

@@ -3,10 +3,11 @@ cache's PersistentVolumeClaim (named by the user, or created by rankguard), an a
 not start (its fallback answering 503 with `agentError`), and the GPU size a node's GPU
 Feature Discovery labels state.
 
-The harness is tests/cluster/test_operator.py's: the operator in this process (KopfRunner),
-watching a namespace of its own; the test plays the kubelet and the agent. Claims use a
-storage class no provisioner serves, so they stay Pending until the test binds a volume of its
-own to them (whether or not the sandbox runs a provisioner for its default class).
+The harness is tests/cluster/operator_world.py (its fixtures in conftest.py): the operator in
+this process (KopfRunner), watching a namespace of its own; the test plays the kubelet and the
+agent. Claims use a storage class no provisioner serves, so they stay Pending until the test
+binds a volume of its own to them (whether or not the sandbox runs a provisioner for its
+default class).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import test_operator as harness
 from kubernetes.client.rest import ApiException
+from operator_world import ReportServer, World, operator, service_doc, valid_report, vllm_container
 from prometheus_client import REGISTRY
 
 from rankguard_operator.core.budget import prior_plan
@@ -30,16 +31,6 @@ from rankguard_sim.cluster import free_port
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-# The harness of tests/cluster/test_operator.py; its fixtures are found here by these names.
-ReportServer, World, operator, service_doc = (
-    harness.ReportServer,
-    harness.World,
-    harness.operator,
-    harness.service_doc,
-)
-valid_report, vllm_container = harness.valid_report, harness.vllm_container
-op_namespace, operator_env, world = harness.op_namespace, harness.operator_env, harness.world
 
 NO_PROVISIONER = "rankguard-test-no-provisioner"  # a storage class nothing provisions
 SAYS = "ModuleNotFoundError: No module named 'aiohttp' (rankguard-agent could not start)"

@@ -6,6 +6,7 @@ and one Event (issue 13, point 5; the pure step's cases are in tests/unit/test_o
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -37,6 +38,17 @@ def degraded_as(api: client.ApiClient, ns: str, name: str, reason: str) -> dict[
     svc = get_llmservice(api, ns, name)
     d = condition(svc, "Degraded")
     return svc if d and d["status"] == "True" and d["reason"] == reason else None
+
+
+def wait_degraded(api: client.ApiClient, ns: str, name: str, reason: str, timeout: float) -> dict[str, Any]:
+    """Wait for Degraded=True with `reason`, and return the service."""
+    svc: dict[str, Any] = wait_for(
+        f"{name} Degraded {reason}",
+        functools.partial(degraded_as, api, ns, name, reason),
+        timeout,
+        dump=lambda: get_llmservice(api, ns, name).get("status"),
+    )
+    return svc
 
 
 def events(api: client.ApiClient, ns: str, name: str, reason: str) -> list[Any]:
@@ -75,12 +87,7 @@ def test_what_no_engine_can_run_is_refused_before_anything_is_deployed(
     apply_service(api, ns, service("flag", engine={"extraArgs": ["--enable-frobnication"]}))
     apply_service(api, ns, service("small", memory={"kvCacheMemoryBytes": 64 * 2**20}))
     for name, said in (("flag", "has no option --enable-frobnication"), ("small", "cannot hold one request")):
-        svc = wait_for(
-            f"{name} refused",
-            lambda name=name: degraded_as(api, ns, name, "InvalidSpec"),  # type: ignore[misc]
-            60,
-            dump=lambda name=name: get_llmservice(api, ns, name).get("status"),  # type: ignore[misc]
-        )
+        svc = wait_degraded(api, ns, name, "InvalidSpec", 60)
         assert svc["status"]["phase"] == "Failed"
         assert said in condition(svc, "Degraded")["message"]  # type: ignore[index]
         assert len(events(api, ns, name, "InvalidSpec")) == 1
@@ -125,12 +132,7 @@ def test_a_replica_no_node_can_hold_is_degraded_with_the_schedulers_words(
 ) -> None:
     doc = service("huge", tensorParallelSize=64, model={"name": "meta-llama/Meta-Llama-3-70B-Instruct"})
     apply_service(api, e2e_namespace, doc)
-    svc = wait_for(
-        "Degraded Unschedulable",
-        lambda: degraded_as(api, e2e_namespace, "huge", "Unschedulable"),
-        120,
-        dump=lambda: get_llmservice(api, e2e_namespace, "huge").get("status"),
-    )
+    svc = wait_degraded(api, e2e_namespace, "huge", "Unschedulable", 120)
     message = condition(svc, "Degraded")["message"]  # type: ignore[index]
     assert "the scheduler cannot place pod huge-" in message and "64 nvidia.com/gpu" in message, message
     assert "nodes are available" in message or "no nodes available" in message, message
@@ -145,12 +147,7 @@ def test_a_floor_above_the_gpu_the_node_states_is_refused(
     Feature Discovery labels give the size, and the operator refuses the spec."""
     make_node("llama3-8b-tp2-24gb", time_scale=4)
     apply_service(api, e2e_namespace, service("floor", remediation={"minKVCacheBytes": 15 * 2**39}))
-    svc = wait_for(
-        "InvalidSpec from the node's GPU size",
-        lambda: degraded_as(api, e2e_namespace, "floor", "InvalidSpec"),
-        120,
-        dump=lambda: get_llmservice(api, e2e_namespace, "floor").get("status"),
-    )
+    svc = wait_degraded(api, e2e_namespace, "floor", "InvalidSpec", 120)
     message = condition(svc, "Degraded")["message"]  # type: ignore[index]
     assert "spec.remediation.minKVCacheBytes (7.5Ti" in message and "GPU Feature Discovery labels" in message
     assert svc["status"]["phase"] == "Failed"

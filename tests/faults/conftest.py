@@ -204,7 +204,6 @@ class Drill:
 
 def _drill(cp: ControlPlane, workdir: Path, prefix: str) -> Iterator[Drill]:
     api = cp.api_client()
-    assert isinstance(api, client.ApiClient)
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     create_namespace(api, namespace, {"rankguard.io/test": "faults"})
     drill = Drill(cp, api, namespace, workdir)

@@ -21,6 +21,8 @@ from collections import Counter
 
 import pytest
 
+from rankguard_sim.waiting import let_time_pass
+
 from .conftest import GROUP, PLURAL, VERSION, Drill, is_ready, service_doc, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
@@ -60,7 +62,8 @@ def test_control_plane_outage_recovers_without_restart_and_logs_it_once(
     down_at = time.monotonic()
     d.cp.component(component).stop()
     # Letting time pass is the point: the operator must live through the outage on its own.
-    time.sleep(OUTAGE_SECONDS[component])
+    died = let_time_pass(OUTAGE_SECONDS[component], stop=lambda: not d.op.alive(), every=0.5)
+    assert not died, f"the operator exited during the {component} outage"
     d.cp.restart(component)
     up_at = time.monotonic()
 

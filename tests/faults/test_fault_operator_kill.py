@@ -29,6 +29,7 @@ from kubernetes import client, watch
 
 from rankguard_operator.core.names import LLMSERVICE_LABEL, REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.observe import CUDA_OOM, terminations
+from rankguard_sim.waiting import let_time_pass
 
 from .conftest import (
     GROUP,
@@ -117,7 +118,6 @@ class StepWatch:
 
     def _run(self, lister: Callable[..., Any], handle: Callable[[Any], None]) -> None:
         api = self.d.cp.api_client()
-        assert isinstance(api, client.ApiClient)
         # the client's own method (not a wrapper): the watch reads its return type from it
         method, args = lister(api)
         try:
@@ -151,6 +151,7 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
     steps = StepWatch(d)
 
     created_errors: list[BaseException] = []
+    finished = threading.Event()  # the test is over, whichever way: create no more
     gaps = [rng.uniform(1.0, 3.0) for _ in names]
 
     def create_spread_out() -> None:
@@ -159,7 +160,8 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
                 d.create_service(service_doc(name))
                 # Letting time pass is the point: the services' OOMs (and the operator's answers)
                 # come at different moments, so one kill finds them in different steps.
-                time.sleep(gap)
+                if let_time_pass(gap, stop=finished.is_set):
+                    return
         except BaseException as e:  # raised again in the test's thread below
             created_errors.append(e)
 
@@ -181,8 +183,10 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
                 break
             trigger = rng.choice(("timer", "intent", "roll"))
             if trigger == "timer":
-                # Letting time pass is the point: this kill lands wherever the services are.
-                time.sleep(rng.uniform(0.5, 4.0))
+                # Letting time pass is the point: this kill lands wherever the services are,
+                # unless they are all done meanwhile (then there is nothing left to interrupt).
+                if let_time_pass(rng.uniform(0.5, 4.0), stop=all_done, every=0.5):
+                    break
             else:
                 event = steps.intent if trigger == "intent" else steps.roll
                 if not event.wait(45):
@@ -200,7 +204,7 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
             )
             # The operator stays dead a moment, as a rescheduled pod would: pods may run out of
             # memory meanwhile and be found by the next operator with no intent written.
-            time.sleep(rng.uniform(0.0, 3.0))
+            let_time_pass(rng.uniform(0.0, 3.0))
             steps.intent.clear()
             steps.roll.clear()
             d.op.start()
@@ -213,6 +217,7 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
 
         wait_for("every service remediated once and Ready again", all_ready_once, 300, every=1, dump=d.dump)
     finally:
+        finished.set()
         steps.close()
 
     deps = wait_settled(d, names)

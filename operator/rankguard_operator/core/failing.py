@@ -16,6 +16,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from rankguard_operator.core.conditions import Condition, condition
 from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes
 from rankguard_operator.core.kv_model import default_block_size, resolve_max_model_len, stage_layouts
+from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.model_source import ModelResolution
 from rankguard_operator.core.planner import PlanError
 from rankguard_operator.core.spec import ServiceSpec, SpecError
@@ -52,17 +54,43 @@ def request_floor(spec: ServiceSpec, model: ModelResolution) -> int | None:
     if shape is None:
         return None
     e = spec.engine
+    return _request_floor(
+        shape,
+        spec.tp,
+        pp=spec.pp,
+        kv_cache_dtype=e.kv_cache_dtype,
+        dtype=e.dtype,
+        block_size=e.block_size or default_block_size(shape),
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _request_floor(
+    shape: ModelShape,
+    tp: int,
+    *,
+    pp: int,
+    kv_cache_dtype: str,
+    dtype: str,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None,
+) -> int | None:
+    # Cached like planner.make_plan, on the figures it reads: every pass asks again (twice when
+    # it learns the GPU's size), and the layouts cost ~0.25 ms where a hit costs microseconds.
     try:
         layouts = stage_layouts(
             shape,
-            spec.tp,
-            pp=spec.pp,
-            kv_cache_dtype=e.kv_cache_dtype,
-            dtype=e.dtype,
-            block_size=e.block_size or default_block_size(shape),
-            max_num_batched_tokens=e.max_num_batched_tokens,
+            tp,
+            pp=pp,
+            kv_cache_dtype=kv_cache_dtype,
+            dtype=dtype,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
-        mml = resolve_max_model_len(shape, e.max_model_len)
+        mml = resolve_max_model_len(shape, max_model_len)
         return max(lay.min_budget_bytes(mml) for lay in layouts)
     except (PlanError, ValueError):
         return None
