@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install testbin lint typecheck unit cluster e2e faults test demo demo-down bench clean
+.PHONY: install testbin lint typecheck unit cluster e2e faults test demo demo-down bench images images-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,12 @@ e2e: install testbin
 faults: install testbin  ## the fault drills alone (docs/reliability.md)
 	$(BIN)/pytest tests/faults -q -s $(PYTEST_ARGS)
 
-test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e, faults (gpu tests skip without a GPU)
+test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e, faults (gpu tests skip without a GPU), then the images
 	$(BIN)/pytest tests -q -ra $(PYTEST_ARGS)
+	bash hack/images/ci-check.sh
+
+images-check: install testbin  ## the image step alone: both images built and run (needs a Docker engine, or root to start one)
+	bash hack/images/ci-check.sh
 
 demo: install testbin  ## the local demo: control plane + process kubelet + operator + a Llama-3-70B TP4 service
 	$(BIN)/python -m rankguard_sim demo up
@@ -49,6 +53,16 @@ demo-down:  ## stop everything `make demo` started
 
 bench: install testbin
 	$(BIN)/python bench/run_all.py
+
+# The images: rankguard/operator:dev and rankguard/agent:dev unless told otherwise. Docker Hub out
+# of reach: LOCAL_BASES=1 builds on bases made from Debian (hack/images/make-bases.sh).
+IMAGE_REPO ?= rankguard
+IMAGE_TAG ?= dev
+LOCAL_BASES ?= 0
+
+images:  ## both Docker images (Dockerfile targets operator and agent); docs/development.md, "Images"
+	OPERATOR_IMAGE=$(IMAGE_REPO)/operator:$(IMAGE_TAG) AGENT_IMAGE=$(IMAGE_REPO)/agent:$(IMAGE_TAG) \
+	LOCAL_BASES=$(LOCAL_BASES) bash hack/images/build.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -185,7 +185,8 @@ def _add_run(sub: Any) -> None:
             "Configuration is read from the environment: RANKGUARD_WATCH_NAMESPACES, "
             "RANKGUARD_AGENT_IMAGE, RANKGUARD_LIVENESS_HOST/PORT, RANKGUARD_METRICS_HOST/PORT, "
             "RANKGUARD_SCRAPE_INTERVAL, RANKGUARD_STALE_AFTER, RANKGUARD_AGENT_UNAVAILABLE_AFTER, "
-            "RANKGUARD_LOG_FORMAT (docs/install.md)."
+            "RANKGUARD_LOG_FORMAT, RANKGUARD_LOG_LEVEL, RANKGUARD_LEADER_ELECTION, "
+            "RANKGUARD_LEASE_NAME/NAMESPACE, RANKGUARD_POD_NAME (docs/install.md)."
         ),
     )
     p.set_defaults(func=_run_operator)

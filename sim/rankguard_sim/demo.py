@@ -15,12 +15,11 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kubernetes import client
 
@@ -71,6 +70,37 @@ class EventPrinter(threading.Thread):
                         continue
                     self.seen.add(e.metadata.uid)
                     say(f"  event  {e.type:<7} {e.reason}: {e.message}")
+
+
+class ChangedRows(threading.Thread):
+    """Passes `kubectl get -w` through, each row only when it shows something new.
+
+    Every write to the service is a watch event, and most change nothing the table shows (an
+    agent's scrape time, a heartbeat), yet kubectl prints the row again each time. A row is
+    printed when its columns, AGE aside, differ from the last row printed for that name.
+    """
+
+    def __init__(self, rows: IO[str]) -> None:
+        super().__init__(daemon=True)
+        self.rows = rows
+        self.shown: dict[str, list[str]] = {}
+
+    def fresh(self, line: str) -> bool:
+        """Whether `line` differs from the last one shown for its name (AGE, the last column,
+        aside), remembering it if so. The header is shown once."""
+        cells = line.split()
+        if not cells:
+            return False
+        name, rest = cells[0], cells[1:-1]
+        if self.shown.get(name) == rest:
+            return False
+        self.shown[name] = rest
+        return True
+
+    def run(self) -> None:
+        for line in self.rows:
+            if self.fresh(line):
+                say(line.rstrip("\n"))
 
 
 def _summary(svc: dict[str, Any]) -> None:
@@ -158,9 +188,13 @@ def up(keep: bool = False) -> int:
                 NAMESPACE,
                 "-w",
             ],
-            stdout=sys.stdout,
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            text=True,
         )
+        assert watcher.stdout is not None
+        rows = ChangedRows(watcher.stdout)
+        rows.start()
         printer = EventPrinter(api)
         printer.start()
         deadline = time.monotonic() + TIMEOUT
@@ -176,6 +210,7 @@ def up(keep: bool = False) -> int:
         time.sleep(6)  # a few more lines of live headroom in the table
         watcher.terminate()
         printer.stop.set()
+        rows.join(timeout=5)  # the table's last rows before the summary
         # The summary tells the settled story: the latest status if it still does (on a busy
         # machine a scrape can time out and leave the ranks stale for a moment), else the one
         # that ended the wait.

@@ -1,12 +1,12 @@
-"""The Helm chart against real Helm and a real API server.
+"""The Helm chart against real Helm and a real API server: the install shapes and permissions.
 
 (Over 450 lines because every install shape shares one installed-chart harness and the one
-table of the operator's documented permissions; split, each part would rebuild both.)
+table of the operator's documented permissions; split, each part would rebuild both. The
+helpers here are shared by the other chart modules: test_chart_values.py (the operator pod's
+values), test_chart_crds.py (the CRD template), test_chart_monitoring.py (monitoring, helm test).)
 
-- `helm lint --strict` and `helm template` are clean for every install shape; Helm's own
-  schema validation refuses unknown and mistyped values.
-- the chart's CRD is crds/llmservice.yaml, in `helm template --include-crds`, `helm show crds`
-  and the packaged archive.
+- `helm lint --strict` and `helm template` are clean for every install shape (Helm's own
+  schema validation, and the chart's refusals of contradictions: test_chart_values.py).
 - the rendered manifests pass the API server's validation (server-side dry run).
 - installed into a namespace that enforces the "restricted" Pod Security Standard, the
   operator's Pod is admitted, a non-compliant pod is refused there, and the operator's
@@ -16,16 +16,14 @@ table of the operator's documented permissions; split, each part would rebuild b
 
 No test here needs a node: a Pod object is created (and admitted) without one. Every install
 carries a nodeSelector no node matches, so a node some other test registers never runs it.
-
-(Over 450 lines because every check shares one installed Helm and API server, and the table of
-install shapes and the documented permissions they must grant, kept in one place.)
+The session's CRD is installed first (`crd`), as on a cluster upgraded from an older chart:
+these releases leave it alone (test_chart_crds.py has a cluster of its own for the CRD's life).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import tarfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +43,6 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rankguard"
-CRD_FILE = REPO / "crds" / "llmservice.yaml"
 CRD_NAME = "llmservices.rankguard.io"
 NO_NODE = ["--set-string", "nodeSelector.rankguard\\.io/test-no-such-node=true"]
 
@@ -65,24 +62,46 @@ DOCUMENTED: frozenset[tuple[str, str]] = frozenset(
 # docs/rbac.md, "Cluster-wide installs only": what the ClusterRole adds (cluster-scoped objects).
 CLUSTER_WIDE: frozenset[tuple[str, str]] = DOCUMENTED | {("nodes", "get")}
 
+
+def leader_election(lease: str) -> frozenset[tuple[str, str]]:
+    """docs/rbac.md, "Leader election", in the release namespace: create any Lease, get and
+    update only the one named `lease`."""
+    return frozenset(
+        [("leases.coordination.k8s.io", "create")]
+        + [(f"leases.coordination.k8s.io[{lease}]", v) for v in ("get", "update")]
+    )
+
+
 # Value sets covering every shape of the chart (cluster-wide, namespaced, every option on).
 SHAPES: dict[str, list[str]] = {
     "default": [],
     "namespaced": ["--set", "rbac.namespaced=true"],
     "watch-list": ["--set", "watchNamespaces={team-a,team-b}"],
+    "no-leader-election": ["--set", "leaderElection.enabled=false"],
     "everything-on": [
         "--set",
-        "metrics.serviceMonitor.enabled=true",
+        "replicaCount=2,podDisruptionBudget.enabled=true,commonLabels.team=ml,crds.keep=false",
         "--set",
-        "networkPolicy.enabled=true",
+        "metrics.prometheusRule.enabled=true,metrics.dashboard.enabled=true,agentPodMonitor.enabled=true",
         "--set",
-        "networkPolicy.namespaces={team-a}",
+        "metrics.serviceMonitor.enabled=true,networkPolicy.allowMonitoring.enabled=true",
+        "--set",
+        "networkPolicy.enabled=true,networkPolicy.namespaces={team-a},operator.logLevel=debug",
         "--set",
         "image.digest=sha256:" + "a" * 64,
         "--set",
         "podSecurityContext.runAsUser=null",
-        "--set",
-        "tolerations[0].key=dedicated,tolerations[0].operator=Exists,tolerations[0].effect=NoSchedule",
+        "--set-json",
+        'tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]',
+        "--set-json",
+        'extraEnv=[{"name": "RANKGUARD_SCRAPE_INTERVAL", "value": "10"}]',
+        "--set-json",
+        'extraVolumes=[{"name": "ca", "configMap": {"name": "ca"}}]',
+        "--set-json",
+        'extraVolumeMounts=[{"name": "ca", "mountPath": "/etc/ca", "readOnly": true}]',
+        "--set-json",
+        'topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone",'
+        ' "whenUnsatisfiable": "DoNotSchedule"}]',
     ],
 }
 
@@ -108,21 +127,32 @@ def unexpected_stderr(stderr: str) -> list[str]:
         and not (
             "found symbolic link in path" in line
             and line.rstrip().endswith("Contents of linked file included and used")
-            and "charts/rankguard/crds/llmservice.yaml" in line
+            and "charts/rankguard/crd-source/llmservice.yaml" in line
         )
     ]
 
 
-def render(namespace: str, *values: str, release: str = "rg", crds: bool = False) -> list[dict[str, Any]]:
-    # A source-built helm knows no cluster version, so say which one we target.
-    args = ["template", release, str(CHART), "-n", namespace, f"--kube-version={K8S_VERSION}", *values]
-    r = run_helm(*args, *(["--include-crds"] if crds else []))
+def template(
+    *args: str, release: str = "rg", chart: Path = CHART, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """`helm template RELEASE CHART ARGS`. hack/testbin's helm, built from source without Helm's
+    release flags, assumes Kubernetes v1.20 (below the chart's kubeVersion), so say which one."""
+    return run_helm("template", release, str(chart), f"--kube-version={K8S_VERSION}", *args, check=check)
+
+
+def render(namespace: str, *values: str, release: str = "rg", chart: Path = CHART) -> list[dict[str, Any]]:
+    r = template("-n", namespace, *values, release=release, chart=chart)
     assert unexpected_stderr(r.stderr) == [], r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's env by name: the value, or the valueFrom of a downward-API variable."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
 def can_i_list(cluster: ControlPlane, namespace: str, account: str) -> set[tuple[str, str]]:
@@ -178,6 +208,25 @@ def make_namespace(core: client.CoreV1Api, prefix: str, labels: dict[str, str] |
     return name
 
 
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+
+
+def dry_run_create_pod(
+    cluster: ControlPlane, namespace: str, spec: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """Create a pod of `spec` in `namespace`, dry run: admission (Pod Security) judges it."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "dry-run", "namespace": namespace},
+        "spec": spec,
+    }
+    return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+
+
 def delete_namespace(core: client.CoreV1Api, name: str) -> None:
     try:
         core.delete_namespace(name)
@@ -197,64 +246,15 @@ def test_helm_lint_strict_and_template_are_clean(shape: str) -> None:
     assert {"ServiceAccount", "Deployment"} <= {d["kind"] for d in docs}
 
 
-@pytest.mark.parametrize(
-    ("values", "complaint"),
-    [
-        (["--set", "image.tga=1.0"], "tga"),  # a misspelt key is refused, not ignored
-        (["--set", "networkPolicy.agentPortNmae=agent"], "agentPortNmae"),
-        (["--set-string", "operator.metricsPort=9090"], "metricsPort"),  # a string, not an integer
-        (["--set", "rbac.namespaced=yes-please"], "namespaced"),
-        (["--set", "operator.logFormat=xml"], "logFormat"),
-        (["--set", "podSecurityContext.runAsUser=0"], "runAsUser"),  # root is not an option
-        (["--set", "watchNamespaces={Team_A}"], "watchNamespaces"),
-    ],
-)
-def test_schema_refuses_unknown_and_mistyped_values(values: list[str], complaint: str) -> None:
-    r = run_helm("template", "rg", str(CHART), f"--kube-version={K8S_VERSION}", *values, check=False)
-    assert r.returncode != 0, f"helm accepted {values}"
-    assert "values don't meet the specifications of the schema" in r.stderr, r.stderr
-    assert complaint in r.stderr, r.stderr
-
-
-@pytest.mark.parametrize(
-    ("values", "complaint"),
-    [
-        (["--set", "networkPolicy.enabled=true"], "needs networkPolicy.namespaces"),
-        (["--set", "serviceAccount.create=false"], "needs serviceAccount.name"),
-        (["--set", "metrics.serviceMonitor.enabled=true,metrics.service.enabled=false"], "needs metrics"),
-    ],
-)
-def test_contradictory_values_fail_with_a_message_that_says_what_to_set(
-    values: list[str], complaint: str
-) -> None:
-    r = run_helm("template", "rg", str(CHART), f"--kube-version={K8S_VERSION}", *values, check=False)
-    assert r.returncode != 0
-    assert complaint in r.stderr, r.stderr
-
-
-def test_the_chart_ships_crds_llmservice_yaml_unchanged(tmp_path: Path) -> None:
-    source = CRD_FILE.read_bytes()
-    crds = [d for d in render("ops", crds=True) if d["kind"] == "CustomResourceDefinition"]
-    assert crds == [yaml.safe_load(source)]
-    assert by_kind(render("ops"), "CustomResourceDefinition") == []  # never a template
-    shown = run_helm("show", "crds", str(CHART))
-    assert shown.stdout.strip() == source.decode().strip()
-    # The packaged archive holds the file itself, not a link a user's machine cannot resolve.
-    run_helm("package", str(CHART), "-d", str(tmp_path))
-    (archive,) = tmp_path.glob("rankguard-*.tgz")
-    with tarfile.open(archive) as tar:
-        member = tar.getmember("rankguard/crds/llmservice.yaml")
-        assert member.isfile()
-        extracted = tar.extractfile(member)
-        assert extracted is not None
-        assert extracted.read() == source
-
-
-def test_deployment_is_one_recreated_hardened_replica_probed_on_kopfs_healthz() -> None:
+def test_deployment_is_one_hardened_replica_probed_on_kopfs_healthz() -> None:
     (deploy,) = by_kind(render("ops"), "Deployment")
     spec = deploy["spec"]
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Leader election is on by default: the new pod starts first, as a standby.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -265,7 +265,7 @@ def test_deployment_is_one_recreated_hardened_replica_probed_on_kopfs_healthz() 
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"] == {"drop": ["ALL"]}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = env_of(c)
     assert ports == {
         "health": int(env["RANKGUARD_LIVENESS_PORT"]),
         "metrics": int(env["RANKGUARD_METRICS_PORT"]),
@@ -278,8 +278,14 @@ def test_deployment_is_one_recreated_hardened_replica_probed_on_kopfs_healthz() 
         "RANKGUARD_LIVENESS_PORT",
         "RANKGUARD_METRICS_PORT",
         "RANKGUARD_LOG_FORMAT",
+        "RANKGUARD_LOG_LEVEL",
+        "RANKGUARD_LEADER_ELECTION",
+        "RANKGUARD_LEASE_NAME",
+        "RANKGUARD_LEASE_NAMESPACE",
+        "RANKGUARD_POD_NAME",
     }
     assert env["RANKGUARD_WATCH_NAMESPACES"] == ""  # every namespace
+    assert env["RANKGUARD_LOG_LEVEL"] == "info"
     assert env["RANKGUARD_AGENT_IMAGE"].startswith("ghcr.io/rankguard/agent:")
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
@@ -291,7 +297,7 @@ def test_image_digest_wins_over_tag_and_empty_tag_means_app_version() -> None:
     digest = "sha256:" + "b" * 64
     (deploy,) = by_kind(render("ops", "--set", f"agentImage.digest={digest}"), "Deployment")
     c = deploy["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = env_of(c)
     assert env["RANKGUARD_AGENT_IMAGE"] == f"ghcr.io/rankguard/agent@{digest}"
     assert c["image"] == f"ghcr.io/rankguard/operator:{chart['appVersion']}"
 
@@ -304,18 +310,22 @@ def test_namespaced_install_renders_roles_and_bindings_only() -> None:
         docs = render("ops", *values)
         kinds = {d["kind"] for d in docs}
         assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
-        roles, bindings = by_kind(docs, "Role"), by_kind(docs, "RoleBinding")
+        # The reconciling Roles (the leader-election one is test_chart_values.py's).
+        roles, bindings = (
+            [r for r in by_kind(docs, kind) if r["metadata"]["name"] == "rg-rankguard"]
+            for kind in ("Role", "RoleBinding")
+        )
         assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
         assert sorted(b["metadata"]["namespace"] for b in bindings) == namespaces
         for b in bindings:
             assert b["subjects"] == [{"kind": "ServiceAccount", "name": "rg-rankguard", "namespace": "ops"}]
             assert b["roleRef"]["kind"] == "Role"
         (deploy,) = by_kind(docs, "Deployment")
-        env = {e["name"]: e["value"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+        env = env_of(deploy["spec"]["template"]["spec"]["containers"][0])
         assert env["RANKGUARD_WATCH_NAMESPACES"] == ",".join(namespaces)
     # The same rules, whichever the scope; the ClusterRole adds only what a Role cannot grant.
     (cluster_role,) = by_kind(render("ops"), "ClusterRole")
-    for role in by_kind(docs, "Role"):
+    for role in roles:
         assert cluster_role["rules"][: len(role["rules"])] == role["rules"]
         assert cluster_role["rules"][len(role["rules"]) :] == [
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
@@ -368,42 +378,39 @@ def test_service_monitor_scrapes_the_metrics_service() -> None:
 
 
 # --------------------------------------------------------------------------- real API server
-def test_rendered_manifests_pass_server_side_dry_run(cluster: ControlPlane, namespace: str) -> None:
-    # Every kind the chart can render except the ServiceMonitor, whose CRD belongs to the
-    # prometheus-operator and is not on this cluster (its fields are checked above).
+def dry_run_apply(cluster: ControlPlane, docs: list[dict[str, Any]]) -> None:
+    """Server-side apply, dry run: every object passes the API server's validation."""
+    r = cluster.kubectl(
+        "apply",
+        "--server-side",
+        "--dry-run=server",
+        "--field-manager=rankguard-tests",
+        "-f",
+        "-",
+        input=yaml.safe_dump_all(docs),
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    applied = [line for line in r.stdout.splitlines() if "serverside-applied (server dry run)" in line]
+    assert len(applied) == len(docs), r.stdout
+
+
+def test_rendered_manifests_pass_server_side_dry_run(cluster: ControlPlane, crd: str, namespace: str) -> None:
+    # Every kind the chart renders without the prometheus-operator's CRDs (the monitoring
+    # objects pass in test_chart_monitoring.py, which installs them).
     for values in (
         ["--set", f"networkPolicy.enabled=true,networkPolicy.namespaces={{{namespace}}}"],
-        ["--set", "rbac.namespaced=true"],
+        ["--set", "rbac.namespaced=true,leaderElection.enabled=false"],
+        ["--set", "replicaCount=3,podDisruptionBudget.enabled=true,commonLabels.team=ml"],
     ):
-        docs = render(namespace, *NO_NODE, *values, crds=True)
-        manifest = yaml.safe_dump_all(docs)
-        r = cluster.kubectl(
-            "apply",
-            "--server-side",
-            "--dry-run=server",
-            "--field-manager=rankguard-tests",
-            "-f",
-            "-",
-            input=manifest,
-            check=False,
-        )
-        assert r.returncode == 0, r.stderr
-        applied = [line for line in r.stdout.splitlines() if "serverside-applied (server dry run)" in line]
-        assert len(applied) == len(docs), r.stdout
+        dry_run_apply(cluster, render(namespace, *NO_NODE, *values))
 
 
 @pytest.fixture(scope="module")
-def restricted_release(cluster: ControlPlane, api: client.ApiClient) -> Iterator[Release]:
+def restricted_release(cluster: ControlPlane, api: client.ApiClient, crd: str) -> Iterator[Release]:
     """The chart installed, as a platform team would, into a namespace enforcing "restricted"."""
     core = client.CoreV1Api(api)
-    ns = make_namespace(
-        core,
-        "t-chart-restricted",
-        {
-            "pod-security.kubernetes.io/enforce": "restricted",
-            "pod-security.kubernetes.io/enforce-version": "latest",
-        },
-    )
+    ns = make_namespace(core, "t-chart-restricted", RESTRICTED)
     rel = Release("rgr", ns, "rgr-rankguard")
     try:
         rel = helm_install(cluster, "rgr", ns)
@@ -448,17 +455,8 @@ def test_restricted_namespace_accepts_the_rendered_pod_and_refuses_a_weaker_one(
 ) -> None:
     rel = restricted_release
 
-    def dry_run_create(spec: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "operator-dry-run", "namespace": rel.namespace},
-            "spec": spec,
-        }
-        return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
-
     spec = operator_pod_spec(cluster, rel)
-    ok = dry_run_create(spec)
+    ok = dry_run_create_pod(cluster, rel.namespace, spec)
     assert ok.returncode == 0, ok.stderr
     # The same pod with privilege escalation allowed and no seccomp profile: must be refused,
     # or the check above proves nothing.
@@ -467,7 +465,7 @@ def test_restricted_namespace_accepts_the_rendered_pod_and_refuses_a_weaker_one(
     for c in weaker["containers"]:
         c["securityContext"]["allowPrivilegeEscalation"] = True
         c["securityContext"].pop("seccompProfile")
-    refused = dry_run_create(weaker)
+    refused = dry_run_create_pod(cluster, rel.namespace, weaker)
     assert refused.returncode != 0
     assert 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
     assert "allowPrivilegeEscalation" in refused.stderr and "seccompProfile" in refused.stderr
@@ -492,13 +490,17 @@ def test_operator_account_can_do_exactly_the_documented_set(
     # What every authenticated account may do (self-reviews, discovery URLs): measured here,
     # from an account with no bindings, so a new Kubernetes default cannot break the test.
     core.create_namespaced_service_account(rel.namespace, {"metadata": {"name": "no-bindings"}})
-    for ns in (rel.namespace, "default"):  # cluster-wide: the same grants in any namespace
+    # Cluster-wide: the same grants in any namespace, and the one Lease in its own.
+    for ns, documented in (
+        (rel.namespace, CLUSTER_WIDE | leader_election(rel.fullname)),
+        ("default", CLUSTER_WIDE),
+    ):
         baseline = can_i_list(cluster, ns, f"{rel.namespace}:no-bindings")
         granted = can_i_list(cluster, ns, f"{rel.namespace}:{rel.fullname}")
         assert baseline <= granted
-        assert granted - baseline == CLUSTER_WIDE, (
-            f"in {ns}: more than documented: {sorted(granted - baseline - CLUSTER_WIDE)}; "
-            f"missing: {sorted(CLUSTER_WIDE - (granted - baseline))}"
+        assert granted - baseline == documented, (
+            f"in {ns}: more than documented: {sorted(granted - baseline - documented)}; "
+            f"missing: {sorted(documented - (granted - baseline))}"
         )
 
 
@@ -513,11 +515,10 @@ def test_namespaced_install_grants_nothing_outside_the_watched_namespace(
         core.create_namespaced_service_account(namespace, {"metadata": {"name": "no-bindings"}})
         baseline = can_i_list(cluster, watched, f"{namespace}:no-bindings")
         assert can_i_list(cluster, watched, f"{namespace}:{rel.fullname}") - baseline == DOCUMENTED
-        # Not even in its own namespace, which it does not watch, nor anywhere else.
-        for elsewhere in (namespace, "default"):
-            assert can_i_list(cluster, elsewhere, f"{namespace}:{rel.fullname}") == can_i_list(
-                cluster, elsewhere, f"{namespace}:no-bindings"
-            )
+        # In its own namespace, which it does not watch, only the Lease; elsewhere nothing.
+        for elsewhere, documented in ((namespace, leader_election(rel.fullname)), ("default", frozenset())):
+            baseline = can_i_list(cluster, elsewhere, f"{namespace}:no-bindings")
+            assert can_i_list(cluster, elsewhere, f"{namespace}:{rel.fullname}") - baseline == documented
         rbac = client.RbacAuthorizationV1Api(api)
         selector = f"app.kubernetes.io/instance={rel.name}"
         assert rbac.list_cluster_role(label_selector=selector).items == []
@@ -528,7 +529,7 @@ def test_namespaced_install_grants_nothing_outside_the_watched_namespace(
 
 
 def test_helm_uninstall_removes_the_operator_and_keeps_the_crd(
-    cluster: ControlPlane, api: client.ApiClient, namespace: str
+    cluster: ControlPlane, api: client.ApiClient, crd: str, namespace: str
 ) -> None:
     rel = helm_install(
         cluster,
@@ -565,10 +566,12 @@ def test_helm_uninstall_removes_the_operator_and_keeps_the_crd(
     assert installed["serviceaccounts"] == [rel.fullname]
     assert installed["services"] == [f"{rel.fullname}-metrics"]
     assert installed["clusterroles"] == installed["clusterrolebindings"] == [rel.fullname]
+    assert installed["roles"] == installed["rolebindings"] == [f"{rel.fullname}-leader-election"]
     assert installed["networkpolicies"] == [f"{rel.fullname}-agent"]
     assert ext.read_custom_resource_definition(CRD_NAME).metadata.name == CRD_NAME
 
     helm_uninstall(cluster, rel)
     assert operator_objects() == {kind: [] for kind in installed}
-    # Helm never deletes what it installed from crds/: LLMServices (and their serving pods) survive.
+    # The CRD was there before (the session's), so this release never owned it: it stays, and
+    # LLMServices (and their serving pods) survive. test_chart_crds.py: a CRD the release owns.
     assert ext.read_custom_resource_definition(CRD_NAME).metadata.deletion_timestamp is None

@@ -34,6 +34,7 @@ from operator_world import (
     valid_report,
     vllm_container,
 )
+from prometheus_client import REGISTRY
 
 from rankguard_agent.report import MAX_REPORT_BYTES
 from rankguard_operator.core import render
@@ -168,6 +169,18 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
 # 2. `kubectl get llmservice` shows the columns, from real scraped figures
 
 
+def metric(name: str, **labels: str) -> float | None:
+    """The in-process operator's samples of `name` whose labels include `labels`, summed
+    (None when there is none)."""
+    found = [
+        s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(found) if found else None
+
+
 def columns(table: str) -> dict[str, str]:
     """The first row of a kubectl table, by header (cells may contain spaces: "rank 1")."""
     header, row = table.splitlines()[:2]
@@ -176,7 +189,7 @@ def columns(table: str) -> dict[str, str]:
     return {c.group(): row[c.start() : end].strip() for c, end in zip(cells, ends, strict=True)}
 
 
-def test_kubectl_get_shows_the_columns_filled(world: World, cluster: ControlPlane) -> None:
+def test_kubectl_get_describe_and_metrics_show_the_same_figures(world: World, cluster: ControlPlane) -> None:
     port = free_port()
     with ReportServer(port) as agent, operator(world.ns):
         # Rank 1, not rank 0, has the least headroom: the columns must say so.
@@ -208,6 +221,24 @@ def test_kubectl_get_shows_the_columns_filled(world: World, cluster: ControlPlan
         }
         assert got["KV-BUDGET"].endswith("Gi") and float(got["KV-BUDGET"][:-2]) > 0
         assert [(r["rank"], r["minFreeBytes"]) for r in status["ranks"]] == [(0, 3 * GiB), (1, 2 * GiB)]
+
+        # `kubectl describe`: one line per rank, times as RFC 3339 (not 1.8e+09)
+        described = cluster.kubectl("describe", "llmservice", "svc", "-n", world.ns).stdout
+        per_rank = described.split("Per Rank:", 1)[1].splitlines()[1:3]
+        assert [line.split(":", 1)[0].strip() for line in per_rank] == ["rank 0", "rank 1"], described
+        assert "rank 1: headroom 2Gi, free " in per_rank[1] and " of 80Gi (GPU " in per_rank[1]
+        assert not re.search(r"\de\+0\d", described), described  # no float in scientific notation
+
+        # the metrics say what the status says, labelled by namespace and service
+        labels = {"namespace": world.ns, "llmservice": "svc"}
+        assert (
+            metric("rankguard_llmservice_kv_budget_bytes", **labels) == status["budget"]["kvCacheMemoryBytes"]
+        )
+        assert metric("rankguard_llmservice_rank_headroom_bytes", rank="1", **labels) == 2 * GiB
+        assert metric("rankguard_llmservice_min_headroom_bytes", **labels) == 2 * GiB
+        assert metric("rankguard_llmservice_phase", phase="Running", **labels) == 1
+        assert metric("rankguard_llmservice_condition", condition="Ready", status="True", **labels) == 1
+        assert metric("rankguard_operator_last_pass_timestamp_seconds", **labels) > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_cuda_oom_on_rank0_rolls_once_to_a_smaller_budget_then_ready(world: Worl
         assert remediating["status"] == "True", remediating
         assert status["phase"] == "Remediating"
         events = wait_for("the Warning Event", lambda: world.warning_events("svc"))
-        assert [e["reason"] for e in events] == ["ShrankKVCache"]
+        assert [e["reason"] for e in events] == ["ShrinkKVCache"]
         assert "rank 0 ran out of GPU memory" in events[0]["message"]
 
         # The kubelet starts the new pod and it becomes Ready: the service is Ready again.
@@ -94,7 +94,7 @@ def test_cuda_oom_on_rank0_rolls_once_to_a_smaller_budget_then_ready(world: Worl
         world.let_the_loop_look("svc")
         assert world.generation("svc") == generation + 1
         assert len(world.status("svc")["remediations"]) == 1
-        assert [e["reason"] for e in world.warning_events("svc")] == ["ShrankKVCache"]
+        assert [e["reason"] for e in world.warning_events("svc")] == ["ShrinkKVCache"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_the_same_termination_delivered_again_does_not_roll_again(world: World) 
         assert len(status["remediations"]) == 1
         uid = world.pod(pod)["metadata"]["uid"]
         assert f"{uid}/vllm/0" in status["handledTerminations"]
-        assert [e["reason"] for e in world.warning_events("svc")] == ["ShrankKVCache"]
+        assert [e["reason"] for e in world.warning_events("svc")] == ["ShrinkKVCache"]
         world.patch_pod(pod, {"metadata": {"finalizers": None}}, content_type=MERGE)
 
 

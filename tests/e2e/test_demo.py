@@ -41,8 +41,8 @@ def test_demo_goes_from_a_rank0_oom_to_ready_and_stops_everything(tmp_path: Path
     out, _ = proc.communicate(timeout=420)
     assert proc.returncode == 0, out[-3000:]
     assert "kubectl get llmservice llama3-70b -w" in out
-    assert "ShrankKVCache: rank 0 ran out of GPU memory" in out
-    assert "Running" in out.split("ShrankKVCache", 1)[1]  # Ready again after the fix
+    assert "ShrinkKVCache: rank 0 ran out of GPU memory" in out
+    assert "Running" in out.split("ShrinkKVCache", 1)[1]  # Ready again after the fix
     assert "Bottleneck: rank 0" in out
     assert out.rstrip().endswith("nothing left running.")
     demo_id = (tmp_path / "demo" / "state.json").exists()

@@ -68,7 +68,7 @@ def chart_release(cluster: ControlPlane, api: client.ApiClient, crd: str) -> Ite
     """The chart installed cluster-wide with default RBAC, in a namespace of its own.
 
     The session's CRD is there first (`crd`), so this also shows that `helm install` copes
-    with a CRD that already exists: Helm skips crds/ objects that are present, never fails.
+    with a CRD that already exists: the chart leaves a CRD it does not own alone.
     """
     core = client.CoreV1Api(api)
     ns = _create_namespace(core, "lp-rankguard")
@@ -134,7 +134,14 @@ def account_operator(
     op = OperatorProcess(
         kubeconfig,
         tmp_path / "operator.log",
-        env_extra={"RANKGUARD_WATCH_NAMESPACES": serving_namespace},
+        env_extra={
+            "RANKGUARD_WATCH_NAMESPACES": serving_namespace,
+            # as the chart's pod runs it: leading by the chart's Lease, with the chart's grant
+            "RANKGUARD_LEADER_ELECTION": "true",
+            "RANKGUARD_LEASE_NAME": chart_release.account,  # the chart's full name
+            "RANKGUARD_LEASE_NAMESPACE": chart_release.namespace,
+            "RANKGUARD_POD_NAME": "lp-operator-0",
+        },
     )
     op.start()
     try:
@@ -237,6 +244,12 @@ def test_operator_with_only_the_charts_account_remediates_to_ready(
     dep = client.AppsV1Api(api).read_namespaced_deployment(name, ns)
     assert "rankguard" in {m.manager for m in dep.metadata.managed_fields or []}
     assert dep.metadata.owner_references[0].kind == "LLMService"
+
+    # It acted as the leader, holding the Lease the chart grants it (created and renewed).
+    lease_ns = account_operator.env_extra["RANKGUARD_LEASE_NAMESPACE"]
+    lease_name = account_operator.env_extra["RANKGUARD_LEASE_NAME"]
+    lease = client.CoordinationV1Api(api).read_namespaced_lease(lease_name, lease_ns)
+    assert lease.spec.holder_identity == "lp-operator-0"
 
     refused = _refused_lines(account_operator.log)
     assert refused == [], "the operator was refused something the chart does not grant:\n" + "\n".join(

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from rankguard_agent import __version__
 from rankguard_agent.launcher import engine_env
 from rankguard_sim.agent_install import BUNDLE_ENV, ENTRY
 from rankguard_sim.image import AGENT_ENTRY, build_image
@@ -305,6 +306,12 @@ def test_other_subcommands_are_the_full_agents(tmp_path: Path) -> None:
         [sys.executable, str(bundle / ENTRY), "--version"], capture_output=True, timeout=60, check=False
     )
     assert proc.returncode == 0 and proc.stdout.strip() == b"0.1.0"
+    # --version answers where the full agent cannot even import (-S: no aiohttp), as on a
+    # serving image's own python3 (the version of the bundle, from its package)
+    proc = subprocess.run(
+        [sys.executable, "-S", str(bundle / ENTRY), "--version"], capture_output=True, timeout=60, check=False
+    )
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, __version__.encode(), b"")
     # Nothing to run without the agent: its own error stands.
     proc = subprocess.run(
         [sys.executable, "-S", str(bundle / ENTRY), "serve"], capture_output=True, timeout=60, check=False

@@ -1,17 +1,23 @@
 """What can be checked about the chart and the Dockerfile without a cluster or a Docker engine.
 
-- values.schema.json is strict: every object refuses unknown keys, every leaf has a type that
-  refuses a value of another JSON type, and schema and values.yaml list the same values.
+(Over 450 lines because the schema walk, the values.yaml line scan and the RBAC-table parser
+are shared by the checks of one chart; split, each part would import the others.)
+
+- values.schema.json is strict: every object refuses unknown keys (the Kubernetes objects that
+  values take whole too: their definitions come from Kubernetes' OpenAPI), every leaf has a
+  type that refuses a value of another JSON type, and schema and values.yaml list the same
+  values.
 - every value in values.yaml carries a comment.
-- the chart's CRD is crds/llmservice.yaml itself (a link), never a second copy that can drift.
-- the RBAC rules in the chart are the tables in docs/rbac.md (every install's, and the
-  cluster-wide install's own), each with a comment.
+- the chart's CRD source is crds/llmservice.yaml itself (a link), never a second copy that can
+  drift, and Helm's own crds/ folder is gone (the CRD is a template, crds.install/crds.keep).
+- the RBAC rules in the chart are the tables in docs/rbac.md (every install's, the
+  cluster-wide install's own, leader election's), each with a comment.
 - NOTES.txt tells the user what to do next.
 - hadolint finds nothing at warning level or above in the Dockerfile, and the Dockerfile keeps
   the promises the chart relies on (targets, non-root numeric user, pinned bases, ports).
 
 Rendering, `helm lint --strict`, Helm's own schema validation and the API server's verdict are
-in tests/cluster/test_chart.py.
+in tests/cluster/test_chart*.py.
 """
 
 from __future__ import annotations
@@ -69,6 +75,16 @@ def load_values() -> dict[str, Any]:
     return values
 
 
+def resolve(node: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A node with its local $ref ("#/definitions/X") followed; its own description kept."""
+    while "$ref" in node:
+        ref = node["$ref"]
+        assert ref.startswith("#/definitions/"), f"only local definitions are used: {ref}"
+        target = (schema or load_schema())["definitions"][ref.removeprefix("#/definitions/")]
+        node = {**target, **({"description": node["description"]} if "description" in node else {})}
+    return node
+
+
 def declared_types(node: dict[str, Any]) -> set[str]:
     """The JSON types a schema node admits (type, or the union of its oneOf/anyOf branches)."""
     if "type" in node:
@@ -85,30 +101,28 @@ def admits_type(node: dict[str, Any], json_type: str) -> bool:
 
 
 def walk_schema(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every node, the definitions included (each under "#X"); a $ref is checked at its target."""
+    if path == "":
+        for name, definition in node.get("definitions", {}).items():
+            yield from walk_schema(definition, f"#{name}")
     yield path, node
     for key, child in node.get("properties", {}).items():
         yield from walk_schema(child, f"{path}.{key}" if path else key)
     items = node.get("items")
     if isinstance(items, dict):
         yield from walk_schema(items, f"{path}[]")
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        yield from walk_schema(extra, f"{path}{{}}")
     for branch in node.get("oneOf", []) + node.get("anyOf", []):
         yield from walk_schema(branch, path)
 
 
-def is_string_map(node: dict[str, Any]) -> bool:
-    """Labels, annotations, nodeSelector: free keys, but every value must be a string."""
-    return node.get("additionalProperties") == {"type": "string"} and "properties" not in node
-
-
-def leaf_paths(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every value path in values.yaml: mappings are descended, anything else is a leaf."""
-    for key, value in values.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict) and value:
-            yield path, value
-            yield from leaf_paths(value, path)
-        else:
-            yield path, value
+def is_typed_map(node: dict[str, Any]) -> bool:
+    """Labels, annotations, nodeSelector, resource lists: free keys, but every value has a type."""
+    extra = node.get("additionalProperties")
+    typed = isinstance(extra, dict) and bool({"type", "$ref", "oneOf"} & set(extra))
+    return typed and "properties" not in node
 
 
 def schema_node(schema: dict[str, Any], path: str) -> dict[str, Any] | None:
@@ -116,8 +130,22 @@ def schema_node(schema: dict[str, Any], path: str) -> dict[str, Any] | None:
     for part in path.split("."):
         if node is None:
             return None
-        node = node.get("properties", {}).get(part)
-    return node
+        node = resolve(node, schema).get("properties", {}).get(part)
+    return None if node is None else resolve(node, schema)
+
+
+def leaf_paths(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every value path in values.yaml: mappings are descended, anything else is a leaf, and so
+    is a map with free keys (e.g. metrics.dashboard.labels), whose keys are not values."""
+    schema = load_schema()
+    for key, value in values.items():
+        path = f"{prefix}.{key}" if prefix else key
+        node = schema_node(schema, path)
+        if isinstance(value, dict) and value and not (node and is_typed_map(node)):
+            yield path, value
+            yield from leaf_paths(value, path)
+        else:
+            yield path, value
 
 
 # --------------------------------------------------------------------------- schema strictness
@@ -127,7 +155,7 @@ def test_every_object_in_the_schema_refuses_unknown_keys() -> None:
         if path == "global":
             continue  # Helm hands parent charts' globals to every chart; it must stay open.
         is_object = "object" in declared_types(node) or "properties" in node
-        if is_object and node.get("additionalProperties") is not False and not is_string_map(node):
+        if is_object and node.get("additionalProperties") is not False and not is_typed_map(node):
             loose.append(path or "<root>")
     assert loose == [], f"objects that would accept an unknown key: {loose}"
 
@@ -138,6 +166,8 @@ def test_an_unknown_key_anywhere_in_the_values_is_refused() -> None:
     for path in mappings:
         node = schema if path == "" else schema_node(schema, path)
         assert node is not None, f"{path} is in values.yaml but not in the schema"
+        if is_typed_map(node):
+            continue  # free keys by design (labels, …): each value's type is checked instead
         # A misspelt key next to the real ones (e.g. image.tga) must match no property and
         # fall to additionalProperties, which must refuse it.
         assert "imageTga" not in node.get("properties", {})
@@ -154,20 +184,28 @@ def test_every_value_has_a_typed_schema_entry_that_refuses_other_types() -> None
         assert admits_type(node, default_type), f"{path}: the schema refuses its own default {default!r}"
         wrong = [t for t in SAMPLES if not admits_type(node, t)]
         assert wrong, f"{path} accepts a value of any type"
-        # E.g. operator.metricsPort: a string must be refused, not coerced.
+        # E.g. operator.metricsPort: a string must be refused, not coerced. An int-or-percent
+        # (podDisruptionBudget.minAvailable) admits only strings its pattern allows.
         if default_type in ("integer", "boolean"):
-            assert not admits_type(node, "string"), f"{path} would accept a string"
+            free = [
+                b for b in node.get("oneOf", [node]) if "string" in declared_types(b) and "pattern" not in b
+            ]
+            assert not free, f"{path} would accept any string"
 
 
 def test_schema_lists_no_value_that_values_yaml_does_not_document() -> None:
     schema, values = load_schema(), load_values()
-    documented = {p for p, _ in leaf_paths(values)}
+    leaves = dict(leaf_paths(values))
+    documented = set(leaves)
 
     def declared(node: dict[str, Any], prefix: str = "") -> Iterator[str]:
         for key, child in node.get("properties", {}).items():
             path = f"{prefix}.{key}" if prefix else key
             yield path
-            yield from declared(child, path)
+            # An object whose default is {} (affinity, agentPodMonitor.namespaceSelector, …):
+            # its comment documents the shape, its fields are Kubernetes' or the selector's own.
+            if leaves.get(path) != {}:
+                yield from declared(child, path)
 
     # global is Helm's, not ours. resources.limits.cpu is allowed but deliberately unset: the
     # comment on resources.limits in values.yaml says why.
@@ -179,8 +217,9 @@ def test_schema_lists_no_value_that_values_yaml_does_not_document() -> None:
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z][A-Za-z0-9_.-]*):(?:\s|$)")
 
 
-def documented_key_lines(text: str) -> tuple[set[str], list[str]]:
-    """Key paths found line by line, and the keys whose line has no comment right above it."""
+def documented_key_lines(text: str, maps: frozenset[str] = frozenset()) -> tuple[set[str], list[str]]:
+    """Key paths found line by line, and the keys whose line has no comment right above it.
+    Keys inside one of `maps` (free-key maps such as labels) are not values and are skipped."""
     stack: list[tuple[int, str]] = []
     found: set[str] = set()
     undocumented: list[str] = []
@@ -192,8 +231,11 @@ def documented_key_lines(text: str) -> tuple[set[str], list[str]]:
         indent = len(m["indent"])
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        path = ".".join([k for _, k in stack] + [m["key"]])
+        parent = ".".join(k for _, k in stack)
+        path = f"{parent}.{m['key']}" if parent else m["key"]
         stack.append((indent, m["key"]))
+        if any(parent == p or parent.startswith(p + ".") for p in maps):
+            continue
         found.add(path)
         above = lines[i - 1] if i > 0 else ""
         if not (above.strip().startswith("#") and above.startswith(" " * indent + "#")):
@@ -202,7 +244,9 @@ def documented_key_lines(text: str) -> tuple[set[str], list[str]]:
 
 
 def test_every_key_in_values_yaml_has_a_comment_above_it() -> None:
-    found, undocumented = documented_key_lines(VALUES.read_text())
+    schema = load_schema()
+    maps = frozenset(p for p, _ in leaf_paths(load_values()) if is_typed_map(schema_node(schema, p) or {}))
+    found, undocumented = documented_key_lines(VALUES.read_text(), maps)
     assert undocumented == [], f"values without a comment line right above them: {undocumented}"
     # The line scan must have seen exactly the keys YAML sees, or the check above proves little.
     assert found == {p for p, _ in leaf_paths(load_values())}
@@ -214,33 +258,39 @@ def test_the_comment_check_catches_an_undocumented_key() -> None:
 
 
 # --------------------------------------------------------------------------- CRD: one copy only
-def test_the_charts_crd_is_a_link_to_crds_not_a_copy() -> None:
-    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+CRD_SOURCE = CHART / "crd-source"
+
+
+def test_the_charts_crd_source_is_a_link_to_crds_not_a_copy() -> None:
+    chart_crds = sorted(p.name for p in CRD_SOURCE.iterdir())
     repo_crds = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    assert chart_crds == repo_crds, "charts/rankguard/crds must carry every CRD of crds/ and nothing else"
+    assert chart_crds == repo_crds, f"{CRD_SOURCE} must carry every CRD of crds/ and nothing else"
     for name in chart_crds:
-        linked = CHART / "crds" / name
+        linked = CRD_SOURCE / name
         assert linked.is_symlink(), f"{linked} must be a link to crds/{name}, not a hand-kept copy"
         target = os.readlink(linked)
         assert not os.path.isabs(target), f"{linked} -> {target}: relative, so it works in any checkout"
         assert linked.resolve() == (REPO / "crds" / name).resolve()
         assert linked.read_bytes() == (REPO / "crds" / name).read_bytes()
+    # Helm would install anything in crds/ on its own, unswitchable and never upgraded.
+    assert not (CHART / "crds").exists(), "the CRD is templates/crd.yaml; Helm's crds/ folder must stay empty"
 
 
 def test_the_crd_is_the_llmservice_crd() -> None:
-    crd = yaml.safe_load((CHART / "crds" / "llmservice.yaml").read_text())
+    crd = yaml.safe_load((CRD_SOURCE / "llmservice.yaml").read_text())
     assert crd["kind"] == "CustomResourceDefinition"
     assert crd["metadata"]["name"] == "llmservices.rankguard.io"
 
 
 # --------------------------------------------------------------------------- RBAC rules = docs
 def chart_rules(define: str = "rankguard.rules") -> list[tuple[list[str], dict[str, Any]]]:
-    """A rules define of _helpers.tpl (every install's, or `rankguard.clusterRules`, the
-    cluster-wide install's own): plain YAML; each rule with the comment lines above it."""
+    """A rules define of _helpers.tpl (every install's, `rankguard.clusterRules`, the
+    cluster-wide install's own, or `rankguard.leaderElectionRules`): YAML, where a template
+    action (the Lease's name) reads "<lease>"; each rule with the comment lines above it."""
     text = (CHART / "templates" / "_helpers.tpl").read_text()
     m = re.search(r'\{\{- define "' + re.escape(define) + r'" -\}\}\n(.*?)\{\{- end \}\}', text, re.S)
     assert m, f"_helpers.tpl must define {define}"
-    body = m.group(1)
+    body = re.sub(r"\{\{.*?\}\}", '"<lease>"', m.group(1))
     rules = yaml.safe_load(body)
     assert isinstance(rules, list)
     comments: list[list[str]] = []
@@ -255,11 +305,13 @@ def chart_rules(define: str = "rankguard.rules") -> list[tuple[list[str], dict[s
 
 
 CLUSTER_ONLY_HEADING = "## Cluster-wide installs only"
+LEADER_ELECTION_HEADING = "## Leader election"
 
 
-def doc_rules(*, cluster_only: bool = False) -> set[tuple[str, str, str]]:
+def doc_rules(heading: str = "") -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) from the tables in docs/rbac.md (API group | resource | verbs |
-    why): every install's, or with `cluster_only` the table under CLUSTER_ONLY_HEADING."""
+    why): every install's, or the table under `heading` (CLUSTER_ONLY_HEADING,
+    LEADER_ELECTION_HEADING)."""
     rows: set[tuple[str, str, str]] = set()
     section = ""
     for line in RBAC_DOC.read_text().splitlines():
@@ -268,11 +320,12 @@ def doc_rules(*, cluster_only: bool = False) -> set[tuple[str, str, str]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 4 or not cells[1].startswith("`"):
             continue
-        if (section == CLUSTER_ONLY_HEADING) != cluster_only:
+        own = section if section in (CLUSTER_ONLY_HEADING, LEADER_ELECTION_HEADING) else ""
+        if own != heading:
             continue
         group = cells[0].strip("`")
         group = "" if group.startswith("core") else group
-        resource = cells[1].strip("`")
+        resource = re.findall(r"`([^`]+)`", cells[1])[0]
         for verb in re.findall(r"`([a-z]+)`", cells[2]):
             rows.add((group, resource, verb))
     return rows
@@ -280,7 +333,7 @@ def doc_rules(*, cluster_only: bool = False) -> set[tuple[str, str, str]]:
 
 def test_every_rbac_rule_has_a_reason() -> None:
     # Two adjacent Event rules share one comment block; every other rule has its own.
-    for define in ("rankguard.rules", "rankguard.clusterRules"):
+    for define in ("rankguard.rules", "rankguard.clusterRules", "rankguard.leaderElectionRules"):
         for i, (comment, rule) in enumerate(chart_rules(define)):
             shared = rule["apiGroups"] == ["events.k8s.io"] and i > 0
             assert comment or shared, f"rule {rule} has no comment saying why"
@@ -306,8 +359,17 @@ def test_the_rbac_rules_are_the_table_in_docs_rbac_md() -> None:
 
 def test_the_cluster_wide_rules_are_their_own_table_and_read_one_object_at_a_time() -> None:
     granted = granted_by("rankguard.clusterRules")
-    assert granted == doc_rules(cluster_only=True) == {("", "nodes", "get")}
+    assert granted == doc_rules(CLUSTER_ONLY_HEADING) == {("", "nodes", "get")}
     assert not granted & granted_by("rankguard.rules")
+
+
+def test_leader_election_touches_one_lease_by_name_except_its_first_create() -> None:
+    rules = [rule for _, rule in chart_rules("rankguard.leaderElectionRules")]
+    assert granted_by("rankguard.leaderElectionRules") == doc_rules(LEADER_ELECTION_HEADING)
+    assert {(tuple(r["verbs"]), tuple(r.get("resourceNames", []))) for r in rules} == {
+        (("create",), ()),  # a create cannot name its object: nothing exists yet to match
+        (("get", "update"), ("<lease>",)),
+    }
 
 
 # --------------------------------------------------------------------------- NOTES.txt
@@ -317,7 +379,8 @@ def test_notes_tell_the_user_what_to_do_next() -> None:
     assert (REPO / "examples" / "llama3-70b-tp4.yaml").is_file()
     assert "get llmservice" in notes
     assert "describe llmservice" in notes
-    assert "crds/llmservice.yaml" in notes  # the CRD is not upgraded by helm: say how
+    assert "crds/llmservice.yaml" in notes  # a CRD the release does not own: say how to apply it
+    assert "helm test" in notes
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -378,8 +441,11 @@ def dockerfile_stages() -> dict[str, list[str]]:
 def test_dockerfile_targets_and_final_stage_promises() -> None:
     stages = dockerfile_stages()
     assert {"operator", "agent"} <= set(stages)
+    # The bases are build arguments (a mirror passes its own); their defaults are the pins.
+    head = DOCKERFILE.read_text().split("\nFROM ", 1)[0]
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)", head, re.M))
     for name, instrs in stages.items():
-        base = instrs[0].split()[1]
+        base = re.sub(r"\$\{(\w+)\}", lambda m: defaults.get(m.group(1), m.group(0)), instrs[0].split()[1])
         if base not in stages:  # an external image: pinned to a full version
             assert re.search(r":\d+\.\d+\.\d+", base), f"stage {name}: base {base} is not pinned"
     values = load_values()
@@ -412,5 +478,6 @@ def test_dockerignore_lets_only_the_package_sources_in() -> None:
     lines = (REPO / ".dockerignore").read_text().splitlines()
     # An allow-list: a local .venv, .git or credential file can never reach the build context.
     assert "*" in lines
-    assert {"!pyproject.toml", "!README.md", "!operator/", "!agent/", "!sim/"} <= set(lines)
+    assert {"!pyproject.toml", "!README.md", "!operator/", "!agent/"} <= set(lines)
+    assert "!sim/" not in lines  # the operator image never packages the sandbox
     assert "**/__pycache__" in lines

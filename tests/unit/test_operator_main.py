@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rankguard_operator.__main__ import main
@@ -58,11 +60,34 @@ def test_the_configuration_is_read_once_into_one_object() -> None:
         ("RANKGUARD_METRICS_PORT", "70000", "RANKGUARD_METRICS_PORT=70000 is outside"),
         ("RANKGUARD_LIVENESS_PORT", "http", "RANKGUARD_LIVENESS_PORT='http' is not a port"),
         ("RANKGUARD_LOG_FORMAT", "xml", "RANKGUARD_LOG_FORMAT='xml' must be plain or json"),
+        ("RANKGUARD_LOG_LEVEL", "loud", "RANKGUARD_LOG_LEVEL='loud' must be one of debug, info"),
+        ("RANKGUARD_LEADER_ELECTION", "yes", "RANKGUARD_LEADER_ELECTION='yes' must be true or false"),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_the_variable(key: str, value: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
         OperatorConfig.from_env({key: value})
+
+
+def test_leader_election_is_off_unless_asked_and_names_its_lease() -> None:
+    off = OperatorConfig.from_env({})
+    assert (off.leader_election, off.lease_name, off.log_level) == (False, "rankguard-operator", "info")
+    on = OperatorConfig.from_env(
+        {
+            "RANKGUARD_LEADER_ELECTION": "TRUE",
+            "RANKGUARD_LEASE_NAME": "rg",
+            "RANKGUARD_LEASE_NAMESPACE": "ops",
+            "RANKGUARD_POD_NAME": "rg-7f9-abcde",
+            "RANKGUARD_LOG_LEVEL": "Debug",
+        }
+    )
+    assert (on.leader_election, on.lease_name, on.lease_namespace, on.identity) == (
+        True,
+        "rg",
+        "ops",
+        "rg-7f9-abcde",
+    )
+    assert on.logging_level == logging.DEBUG
 
 
 def test_python_m_plan_plans_instead_of_starting_the_operator(capsys: pytest.CaptureFixture[str]) -> None:

@@ -240,7 +240,7 @@ def test_cuda_oom_shrinks_by_the_deficit_plus_margin() -> None:
     t = term(rank=2, requested=2 * GiB, free=512 * MiB)
     d = decide(inp(new_terminations=[t]))
     # 2 GiB − 512 MiB deficit + 512 MiB margin = 2 GiB = 1638.4 blocks -> 1639 blocks less
-    assert (d.action, d.trigger, d.reason, d.rank) == ("shrink", "CUDAOutOfMemory", "ShrankKVCache", 2)
+    assert (d.action, d.trigger, d.reason, d.rank) == ("shrink", "CUDAOutOfMemory", "ShrinkKVCache", 2)
     assert d.flags == ServingFlags(kv_cache_memory_bytes=KV - 1639 * UNIT)
     assert d.handled == (t.key,) and d.is_remediation and d.from_flags == CUR
     assert d.message == (
@@ -408,7 +408,7 @@ def test_kv_cache_too_small() -> None:
 def test_oom_killed_raises_the_limit_like_the_vpa() -> None:
     t = term("OOMKilled", rank=None, requested=None, free=None, exit_code=137)
     d = decide(inp(new_terminations=[t]))
-    assert (d.action, d.trigger, d.reason) == ("raise-memory-limit", "OOMKilled", "RaisedMemoryLimit")
+    assert (d.action, d.trigger, d.reason) == ("raise-memory-limit", "OOMKilled", "BumpMemoryLimit")
     expected = math.ceil(math.ceil(64 * GiB * 1.2) / MiB) * MiB  # ×1.2 beats +100 MiB at 64 GiB
     assert (
         d.flags == ServingFlags(kv_cache_memory_bytes=KV, memory_limit_bytes=expected)
@@ -466,7 +466,7 @@ def test_oom_killed_under_a_pinned_budget_still_raises_the_limit() -> None:
 
 def test_failed_rollout_rolls_back_even_in_cooldown() -> None:
     d = decide(inp(rollout=FAILED, last_known_good=LKG, history=[past(10)]))
-    assert (d.action, d.trigger, d.reason, d.flags) == ("rollback", "RolloutFailed", "RolledBack", LKG)
+    assert (d.action, d.trigger, d.reason, d.flags) == ("rollback", "RolloutFailed", "Rollback", LKG)
     assert "ProgressDeadlineExceeded" in d.message and "36Gi" in d.message
     five = [past(50 * i + 10) for i in range(5)]  # beyond maxPerHour too
     assert decide(inp(rollout=FAILED, last_known_good=LKG, history=five)).action == "rollback"
@@ -615,7 +615,7 @@ def reclaim(**kw: Any) -> Decision:
 
 def test_reclaim_grows_by_half_the_excess_over_the_margin() -> None:
     d = reclaim()
-    assert (d.action, d.trigger, d.reason, d.rank) == ("grow", "Reclaim", "GrewKVCache", 1)
+    assert (d.action, d.trigger, d.reason, d.rank) == ("grow", "Reclaim", "GrowKVCache", 1)
     step = round_down((5 * GiB - MARGIN) // 2, UNIT)
     assert d.flags.kv_cache_memory_bytes == round_down(KV - 8 * GiB, UNIT) + step
     assert "every rank has kept at least 512Mi free for 30 min" in d.message

@@ -143,7 +143,7 @@ def test_a_cuda_oom_writes_the_intent_then_rolls_once_then_reports() -> None:
     assert isinstance(event, reconcile.PostEvent)
     rid = intent.pending["id"]
     assert roll.body["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION] == rid == roll.remediation_id
-    assert event.name == rid and event.reason == "ShrankKVCache" and event.type == "Warning"
+    assert event.name == rid and event.reason == "ShrinkKVCache" and event.type == "Warning"
     new_kv = flags_of(roll.body).kv_cache_memory_bytes
     assert old_kv is not None and new_kv is not None and new_kv < old_kv
     assert "pendingRemediation" not in c.status

@@ -361,7 +361,7 @@ def test_remediating_then_running() -> None:
     assert d.action == "shrink"
     s1 = status_after(d, ROLLING, 0, {}, T0)
     conds = {c["type"]: c for c in s1["conditions"]}
-    assert conds["Remediating"]["status"] == "True" and conds["Remediating"]["reason"] == "ShrankKVCache"
+    assert conds["Remediating"]["status"] == "True" and conds["Remediating"]["reason"] == "ShrinkKVCache"
     assert conds["Ready"]["status"] == "False" and conds["Degraded"]["status"] == "False"
     assert s1["phase"] == "Remediating" and s1["observedGeneration"] == 3
     assert s1["remediations"][-1]["action"] == "ShrinkKVCache" and s1["remediations"][-1]["revision"] == "r1"
@@ -404,7 +404,7 @@ def test_degraded_sticks_until_ready() -> None:
 def test_a_rollback_keeps_the_service_degraded_with_the_reason_until_the_next_change() -> None:
     newer = ServingFlags(kv_cache_memory_bytes=KV - 2 * GiB)
     rollback = Decision(
-        "rollback", FLAGS, "EngineError", "RolledBack", "vLLM exited with an engine error", from_flags=newer
+        "rollback", FLAGS, "EngineError", "Rollback", "vLLM exited with an engine error", from_flags=newer
     )
     s1 = status_after(rollback, ROLLING, 0, {}, T0)
     # Ready again on the last known good flags, and still Degraded: it is not what was asked.
@@ -414,7 +414,7 @@ def test_a_rollback_keeps_the_service_degraded_with_the_reason_until_the_next_ch
     assert (c2["Degraded"]["status"], c2["Degraded"]["reason"]) == ("True", "RolledBack")
     assert "engine error" in c2["Degraded"]["message"] and "last known good" in c2["Degraded"]["message"]
     # The next change (here a shrink after an OOM) clears it once it is ready.
-    shrink = Decision("shrink", newer, "CUDAOutOfMemory", "ShrankKVCache", "shrink", from_flags=FLAGS)
+    shrink = Decision("shrink", newer, "CUDAOutOfMemory", "ShrinkKVCache", "shrink", from_flags=FLAGS)
     s3 = status_after(shrink, ROLLING, 0, s2, T1)
     s4 = status_after(None, COMPLETE, 1, s3, T1, flags=newer)
     assert {c["type"]: c for c in s4["conditions"]}["Degraded"]["status"] == "False"

@@ -33,16 +33,37 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/*
-Labels of every object of the chart. managed-by is Helm here: the serving pods the operator
-renders carry app.kubernetes.io/managed-by=rankguard, and the NetworkPolicy selects by that,
-so the operator's own pod is never mistaken for a serving pod.
+Labels of every object of the chart: the chart's own, then commonLabels, which cannot
+override them (the selector must keep matching, and a commonLabel named like one of the
+chart's is ignored). managed-by is Helm here: the serving pods the operator renders carry
+app.kubernetes.io/managed-by=rankguard, and the NetworkPolicy selects by that, so the
+operator's own pod is never mistaken for a serving pod.
 */}}
 {{- define "rankguard.labels" -}}
-helm.sh/chart: {{ include "rankguard.chart" . }}
-{{ include "rankguard.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/part-of: rankguard
+{{- $own := dict
+  "helm.sh/chart" (include "rankguard.chart" .)
+  "app.kubernetes.io/version" .Chart.AppVersion
+  "app.kubernetes.io/managed-by" .Release.Service
+  "app.kubernetes.io/part-of" "rankguard" }}
+{{- merge $own (include "rankguard.selectorLabels" . | fromYaml) (.Values.commonLabels | default dict) | toYaml }}
+{{- end }}
+
+{{/*
+The labels of an object that is not the operator (the CRD, the helm test pod): the same, with
+its own component, so the operator's selector (component=operator) never matches it.
+Usage: include "rankguard.componentLabels" (dict "component" "test" "context" $)
+*/}}
+{{- define "rankguard.componentLabels" -}}
+{{- $labels := include "rankguard.labels" .context | fromYaml }}
+{{- $_ := set $labels "app.kubernetes.io/component" .component }}
+{{- toYaml $labels }}
+{{- end }}
+
+{{/*
+The leader-election Lease: its name (leaderElection.leaseName, default the full name).
+*/}}
+{{- define "rankguard.leaseName" -}}
+{{- default (include "rankguard.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
 {{- define "rankguard.serviceAccountName" -}}
@@ -162,4 +183,44 @@ cannot grant. docs/rbac.md lists them in their own table; the same tests keep th
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get"]
+{{- end }}
+
+{{/*
+Rules of leader election (leaderElection.enabled), in a Role of the release namespace only:
+the operator's replicas agree on one leader through a single Lease there. docs/rbac.md has
+the same table ("Leader election"); the same tests keep them in step.
+*/}}
+{{- define "rankguard.leaderElectionRules" -}}
+# Create the Lease the first time. A create cannot be limited to a name (there is no object
+# yet to match), so this grants creating any Lease in the release namespace, nothing more.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Read, renew and take over that one Lease, by name; no other Lease, no list, watch or delete.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "rankguard.leaseName" . | quote }}]
+  verbs: ["get", "update"]
+{{- end }}
+
+{{/*
+What becomes of the LLMService CRD: "off" (crds.install=false), "render" (the chart installs
+and upgrades it), or "foreign": a CRD of that name is on the cluster and this release does not
+own it (it was applied with kubectl or by another release), so the chart leaves it alone.
+`lookup` sees the cluster during install and upgrade only; `helm template` renders the CRD.
+*/}}
+{{- define "rankguard.crdState" -}}
+{{- if not .Values.crds.install }}
+{{- "off" }}
+{{- else }}
+{{- $name := (.Files.Get "crd-source/llmservice.yaml" | fromYaml).metadata.name }}
+{{- $existing := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" $name }}
+{{- $annotations := dig "metadata" "annotations" dict $existing }}
+{{- $ours := and (eq (get $annotations "meta.helm.sh/release-name") .Release.Name) (eq (get $annotations "meta.helm.sh/release-namespace") .Release.Namespace) }}
+{{- if or (not $existing) $ours }}
+{{- "render" }}
+{{- else }}
+{{- "foreign" }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -401,9 +401,10 @@ class _Pass:
                 "engine": engine_status(engine, self.key),
                 "budgetKey": self.key,
                 "handledTerminations": list(self.handled),
-                "lowHeadroomSince": low_since,
-                "ampleHeadroomSince": ample_since,
-                "unschedulableSince": unscheduled.since,
+                # RFC 3339, as Kubernetes writes times (kubectl describe shows them as such)
+                "lowHeadroomSince": _iso_or_none(low_since),
+                "ampleHeadroomSince": _iso_or_none(ample_since),
+                "unschedulableSince": _iso_or_none(unscheduled.since),
                 "serviceApplied": True,
             }
         )
@@ -420,6 +421,10 @@ class _Pass:
             settled.agents_unavailable,
             pass_again_after=unscheduled.due_in,
         )
+
+
+def _iso_or_none(ts: float | None) -> str | None:
+    return None if ts is None else iso(ts)
 
 
 def invalid_spec(state: ServiceState, world: World, message: str) -> Step:

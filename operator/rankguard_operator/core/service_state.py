@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model_source import LearnedModel
+from rankguard_operator.core.observe import parse_time
 
 
-def _float(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _since(v: Any) -> float | None:
+    """A clock kept in status: RFC 3339 as written now, or the epoch seconds an older operator
+    wrote (read once, then written back as RFC 3339)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return parse_time(v)
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class PendingRemediation:
     """A flag change decided and written down, maybe not yet rolled (`status.pendingRemediation`)."""
 
     id: str
-    kind: str
+    kind: str  # the action, as the CRD names it (history.STATUS_ACTIONS: ShrinkKVCache, ...)
     started_at: str
     from_flags: ServingFlags | None
     to_flags: ServingFlags | None
@@ -35,7 +41,7 @@ class PendingRemediation:
     def to_status(self) -> dict[str, Any]:
         return {
             "id": self.id,
-            "kind": self.kind,
+            "kind": STATUS_ACTIONS.get(self.kind, self.kind),
             "startedAt": self.started_at,
             "fromFlags": None if self.from_flags is None else self.from_flags.to_status(),
             "toFlags": None if self.to_flags is None else self.to_flags.to_status(),
@@ -116,9 +122,9 @@ class ServiceState:
             if isinstance(history, list)
             else (),
             pending=PendingRemediation.from_status(s.get("pendingRemediation")),
-            low_headroom_since=_float(s.get("lowHeadroomSince")),
-            ample_headroom_since=_float(s.get("ampleHeadroomSince")),
-            unschedulable_since=_float(s.get("unschedulableSince")),
+            low_headroom_since=_since(s.get("lowHeadroomSince")),
+            ample_headroom_since=_since(s.get("ampleHeadroomSince")),
+            unschedulable_since=_since(s.get("unschedulableSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
             engine_rows=_engine_rows(engine),

@@ -62,6 +62,19 @@ def rank_rows(observation: Observation | None) -> list[dict[str, Any]]:
     ]
 
 
+def rank_lines(observation: Observation | None) -> list[str]:
+    """`status.perRank`: one readable line per rank (kubectl describe runs the fields of a list
+    of objects together; a list of strings prints one per line)."""
+    if observation is None:
+        return []
+    return [
+        f"rank {r.rank}: headroom {format_bytes(r.headroom_bytes)}, free {format_bytes(r.free_bytes)} of "
+        f"{format_bytes(r.total_bytes)} (GPU {r.uuid[:64]}, pod {r.pod[:253]})"
+        + (", stale" if r.stale else "")
+        for r in observation.ranks
+    ]
+
+
 def summary_fields(
     observation: Observation | None, flags: ServingFlags | None, ready_replicas: int, replicas: int
 ) -> dict[str, Any]:
@@ -318,6 +331,7 @@ def build_status(
         "observedGeneration": generation,
         "conditions": conditions,
         "ranks": rank_rows(observation),
+        "perRank": rank_lines(observation) or None,
         **summary_fields(observation, flags, ready_replicas, spec.replicas),
         "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),

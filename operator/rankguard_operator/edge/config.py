@@ -13,6 +13,13 @@ Environment (all optional):
   RANKGUARD_AGENT_UNAVAILABLE_AFTER  seconds a ready serving pod may go without a valid agent
                               report before AgentReady turns False (default 60)
   RANKGUARD_LOG_FORMAT        plain | json (default plain)
+  RANKGUARD_LOG_LEVEL         debug | info | warning | error (default info)
+  RANKGUARD_LEADER_ELECTION   true | false (default false; the chart turns it on): hold a
+                              coordination.k8s.io Lease before acting, so that of several
+                              replicas exactly one acts (edge/leader.py)
+  RANKGUARD_LEASE_NAME        the Lease's name (default rankguard-operator)
+  RANKGUARD_LEASE_NAMESPACE   its namespace (default: the pod's own, else "default")
+  RANKGUARD_POD_NAME          this replica's name in the Lease (default: the host name)
 
 A bad value stops the operator at start-up with one line naming the variable, rather than
 being discovered later in a loop.
@@ -20,13 +27,25 @@ being discovered later in a loop.
 
 from __future__ import annotations
 
+import logging
 import math
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from rankguard_operator.core.reconcile import Settings
 
 DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
+DEFAULT_LEASE_NAME = "rankguard-operator"
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+# where a pod's own namespace is, in every Kubernetes pod with a service account token
+POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 class ConfigError(ValueError):
@@ -68,12 +87,23 @@ class OperatorConfig:
     stale_after: float = 30.0
     agent_unavailable_after: float = 60.0
     log_format: str = "plain"
+    log_level: str = "info"
+    leader_election: bool = False
+    lease_name: str = DEFAULT_LEASE_NAME
+    lease_namespace: str = "default"
+    identity: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         fmt = env.get("RANKGUARD_LOG_FORMAT", "plain").strip() or "plain"
         if fmt not in ("plain", "json"):
             raise ConfigError(f"RANKGUARD_LOG_FORMAT={fmt!r} must be plain or json")
+        level = env.get("RANKGUARD_LOG_LEVEL", "info").strip().lower() or "info"
+        if level not in LOG_LEVELS:
+            raise ConfigError(f"RANKGUARD_LOG_LEVEL={level!r} must be one of {', '.join(LOG_LEVELS)}")
+        elect = env.get("RANKGUARD_LEADER_ELECTION", "false").strip().lower() or "false"
+        if elect not in ("true", "false"):
+            raise ConfigError(f"RANKGUARD_LEADER_ELECTION={elect!r} must be true or false")
         namespaces = tuple(
             n.strip() for n in env.get("RANKGUARD_WATCH_NAMESPACES", "").split(",") if n.strip()
         )
@@ -89,7 +119,16 @@ class OperatorConfig:
             stale_after=_seconds(env, "RANKGUARD_STALE_AFTER", 30.0),
             agent_unavailable_after=_seconds(env, "RANKGUARD_AGENT_UNAVAILABLE_AFTER", 60.0),
             log_format=fmt,
+            log_level=level,
+            leader_election=elect == "true",
+            lease_name=env.get("RANKGUARD_LEASE_NAME", "").strip() or DEFAULT_LEASE_NAME,
+            lease_namespace=env.get("RANKGUARD_LEASE_NAMESPACE", "").strip() or _own_namespace(),
+            identity=env.get("RANKGUARD_POD_NAME", "").strip() or socket.gethostname(),
         )
+
+    @property
+    def logging_level(self) -> int:
+        return LOG_LEVELS[self.log_level]
 
     @property
     def uses_namespace_patterns(self) -> bool:
@@ -115,3 +154,10 @@ class OperatorConfig:
                 f"http://{self.liveness_host}:{self.liveness_port}/healthz" if self.liveness_port else None
             ),
         }
+
+
+def _own_namespace() -> str:
+    try:
+        return POD_NAMESPACE_FILE.read_text().strip() or "default"
+    except OSError:
+        return "default"

@@ -19,7 +19,6 @@ Only pods whose owner chain leads to this LLMService's Deployment are passed to 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -27,8 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rankguard_operator.core import ownership, pod_world, reconcile
+import kopf
+
+from rankguard_operator.core import ownership, pod_world, reconcile, service_figures
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.status import status_patch
@@ -36,10 +38,15 @@ from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import (
     AGENTS_UNAVAILABLE,
     ENGINE_RULES_FALLBACK,
+    LAST_PASS,
+    OOMS_OBSERVED,
     PASSES,
     PODS_IGNORED,
+    RECONCILE_ERRORS,
     RECONCILE_SECONDS,
     REMEDIATIONS,
+    SERVICE_GAUGES,
+    forget_service,
 )
 from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, claim_bound, exists
 from rankguard_operator.edge.scrape import Scraper, Target
@@ -82,6 +89,7 @@ class ServiceExecutor:
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
         self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
+        self._ooms_counted: set[str] | None = None  # termination keys counted (None: not seeded)
         # whether the last pass had something that changes without a watch event: agents to
         # scrape, a remediation under way, pods starting on a node (handlers pick the cadence)
         self.busy = True
@@ -91,11 +99,9 @@ class ServiceExecutor:
         await self.scraper.close()
 
     def forget(self) -> None:
-        """The LLMService is gone (or the operator stops): drop its gauges, so a deleted
-        service does not report agents unavailable forever."""
-        for gauge in (AGENTS_UNAVAILABLE, ENGINE_RULES_FALLBACK):
-            with contextlib.suppress(KeyError):
-                gauge.remove(self.namespace, self.name)
+        """The LLMService is gone (or the operator stops): drop its series, so a deleted
+        service does not report agents unavailable, or a phase, forever."""
+        forget_service(self.namespace, self.name)
 
     # ------------------------------------------------------------------------------- a pass
     def next_pass_in(self, fast: float, slow: float) -> float:
@@ -109,9 +115,22 @@ class ServiceExecutor:
         started = time.monotonic()
         try:
             return await self._run_once(seen)
+        except k8s.ApiUnavailable:
+            self._failed("api-unavailable")
+            raise
+        except kopf.TemporaryError:
+            self._failed("conflict")
+            raise
+        except Exception:
+            self._failed("error")
+            raise
         finally:
             RECONCILE_SECONDS.observe(time.monotonic() - started)
             PASSES.labels(namespace=self.namespace, llmservice=self.name).inc()
+            LAST_PASS.labels(namespace=self.namespace, llmservice=self.name).set(time.time())
+
+    def _failed(self, kind: str) -> None:
+        RECONCILE_ERRORS.labels(namespace=self.namespace, llmservice=self.name, kind=kind).inc()
 
     def _state(self, body: Mapping[str, Any]) -> reconcile.ServiceState:
         rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
@@ -217,13 +236,52 @@ class ServiceExecutor:
             ENGINE_RULES_FALLBACK.labels(namespace=world.namespace, llmservice=world.name).set(
                 0 if rules.get("status") == "True" else 1
             )
+        self._count_ooms(pods, state)
         try:
             await self.execute(body, state, step)
         except k8s.ApplyRefused as e:
+            self._failed("apply-refused")
             await self._refused_apply(body, state, world, e)
             return Phase.DEGRADED.value
         self._refused = None
+        self._published(state, step, spec)
         return step.phase
+
+    def _published(
+        self, before: reconcile.ServiceState, step: reconcile.Step, spec: Mapping[str, Any]
+    ) -> None:
+        """The service's gauges from the status just written, and one log line when its phase
+        changed (a warning when it became Degraded or Failed)."""
+        SERVICE_GAUGES.set(self.namespace, self.name, service_figures.figures(step.state.raw, spec))
+        change = service_figures.phase_change(before.raw, step.state.raw)
+        if change is not None:
+            bad = step.phase in (Phase.DEGRADED.value, Phase.FAILED.value)
+            log.log(
+                logging.WARNING if bad else logging.INFO,
+                "LLMService %s/%s: %s",
+                self.namespace,
+                self.name,
+                change,
+            )
+
+    def _count_ooms(self, pods: Sequence[Mapping[str, Any]], state: reconcile.ServiceState) -> None:
+        """Count each memory termination the pods show once, acted upon or not. The first pass
+        after a start takes those status already lists as handled as counted before."""
+        if self._ooms_counted is None:
+            self._ooms_counted = set(state.handled)
+        live = set()
+        for t in service_figures.memory_terminations(pods):
+            live.add(t.key)
+            if t.key in self._ooms_counted:
+                continue
+            self._ooms_counted.add(t.key)
+            OOMS_OBSERVED.labels(
+                namespace=self.namespace,
+                llmservice=self.name,
+                reason=t.kind,
+                rank=service_figures.rank_label(t),
+            ).inc()
+        self._ooms_counted &= live | set(state.handled)
 
     async def _model_config(self, spec: Mapping[str, Any], generation: int) -> ConfigRead | None:
         """spec.model.configMap's config.json (None when the spec names none)."""
@@ -247,9 +305,8 @@ class ServiceExecutor:
             elif isinstance(effect, reconcile.ApplyDeployment):
                 self._applied = (time.monotonic(), await k8s.apply(effect.body))
                 if effect.remediation_id is not None:
-                    REMEDIATIONS.labels(
-                        self.namespace, self.name, str(effect.action), str(effect.trigger)
-                    ).inc()
+                    action = STATUS_ACTIONS.get(str(effect.action), str(effect.action))
+                    REMEDIATIONS.labels(self.namespace, self.name, action, str(effect.trigger)).inc()
             elif isinstance(effect, (reconcile.ApplyService, reconcile.ApplyClaim)):
                 await k8s.apply(effect.body)
             elif isinstance(effect, reconcile.PostEvent):

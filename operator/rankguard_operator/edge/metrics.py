@@ -1,8 +1,22 @@
-"""The operator's own Prometheus metrics (served by prometheus_client, never hand-written)."""
+"""The operator's own Prometheus metrics (served by prometheus_client, never hand-written).
+
+Every series about one LLMService carries `namespace` and `llmservice` labels and goes when
+the service goes (`forget_service`); other labels take a bounded set of values (reasons,
+actions, ranks up to the service's world size). docs/operations.md lists them all.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import platform
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rankguard_operator import __version__
+from rankguard_operator.core.service_figures import PHASES, Figures
 
 REPORTS_OK = Counter(
     "rankguard_operator_reports_accepted_total",
@@ -69,3 +83,132 @@ PODS_IGNORED = Counter(
     "Counted once per pod",
     ["namespace", "llmservice", "reason"],
 )
+OOMS_OBSERVED = Counter(
+    "rankguard_operator_ooms_observed_total",
+    "Runs of vLLM that ended for memory, as the pods' statuses show them (acted upon or not), "
+    "by reason (CUDAOutOfMemory, OOMKilled) and rank (unknown when not reported)",
+    ["namespace", "llmservice", "reason", "rank"],
+)
+RECONCILE_ERRORS = Counter(
+    "rankguard_operator_reconcile_errors_total",
+    "Passes of an LLMService's loop that failed, by kind: api-unavailable (the API server did "
+    "not answer), apply-refused (it refused what rankguard rendered), conflict (a write lost a "
+    "race or was throttled; retried), error (anything else; logged with its traceback)",
+    ["namespace", "llmservice", "kind"],
+)
+LAST_PASS = Gauge(
+    "rankguard_operator_last_pass_timestamp_seconds",
+    "Unix time the last pass of an LLMService's loop finished (time() minus it is the lag)",
+    ["namespace", "llmservice"],
+)
+LEADER = Gauge(
+    "rankguard_operator_leader",
+    "1 while this operator replica holds the leader Lease (or leader election is off) and "
+    "acts; 0 while it waits as a standby",
+)
+LEADER.set(1)  # leader election off: this replica acts (edge/main sets 0 while it waits)
+BUILD_INFO = Gauge(
+    "rankguard_operator_build_info",
+    "Always 1; the labels say which operator runs",
+    ["version", "python_version"],
+)
+BUILD_INFO.labels(version=__version__, python_version=platform.python_version()).set(1)
+
+# Counters and gauges with a service's labels, dropped when the service goes.
+PER_SERVICE = (
+    REPORTS_OK,
+    REPORTS_REJECTED,
+    REMEDIATIONS,
+    PASSES,
+    REPORT_FIELDS_DROPPED,
+    AGENTS_UNAVAILABLE,
+    ENGINE_RULES_FALLBACK,
+    PODS_IGNORED,
+    OOMS_OBSERVED,
+    RECONCILE_ERRORS,
+    LAST_PASS,
+)
+
+
+class ServiceGauges(Collector):
+    """The per-service gauges read from each pass's status (core/service_figures): a snapshot
+    per service, exported as it stands at scrape time, so a series that is no longer true
+    (an old phase, a rank no longer reported, a deleted service) is simply not there."""
+
+    def __init__(self) -> None:
+        self._figures: dict[tuple[str, str], Figures] = {}
+        self._lock = threading.Lock()  # scrapes run in prometheus_client's own thread
+
+    def set(self, namespace: str, name: str, figures: Figures) -> None:
+        with self._lock:
+            self._figures[(namespace, name)] = figures
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._figures.pop((namespace, name), None)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            items = sorted(self._figures.items())
+        labels = ["namespace", "llmservice"]
+        budget = GaugeMetricFamily(
+            "rankguard_llmservice_kv_budget_bytes",
+            "The per-GPU KV-cache budget in effect (--kv-cache-memory-bytes); absent while the "
+            "service runs on a --gpu-memory-utilization",
+            labels=labels,
+        )
+        rank = GaugeMetricFamily(
+            "rankguard_llmservice_rank_headroom_bytes",
+            "The lowest free GPU memory the agents sampled on a rank (its worst replica, over "
+            "the sampling window); fresh reports only",
+            labels=[*labels, "rank"],
+        )
+        least = GaugeMetricFamily(
+            "rankguard_llmservice_min_headroom_bytes",
+            "The bottleneck rank's headroom: the least of rankguard_llmservice_rank_headroom_bytes",
+            labels=labels,
+        )
+        target = GaugeMetricFamily(
+            "rankguard_llmservice_headroom_target_bytes",
+            "spec.memory.minHeadroomBytes: below it for 60 s rankguard shrinks the KV budget",
+            labels=labels,
+        )
+        phase = GaugeMetricFamily(
+            "rankguard_llmservice_phase",
+            "1 for the LLMService's current phase, 0 for the others",
+            labels=[*labels, "phase"],
+        )
+        condition = GaugeMetricFamily(
+            "rankguard_llmservice_condition",
+            "Always 1, one series per condition type: its status and reason as labels",
+            labels=[*labels, "condition", "status", "reason"],
+        )
+        for (ns, name), f in items:
+            if f.kv_budget_bytes is not None:
+                budget.add_metric([ns, name], f.kv_budget_bytes)
+            for r, headroom in f.rank_headroom:
+                rank.add_metric([ns, name, str(r)], headroom)
+            if f.min_headroom_bytes is not None:
+                least.add_metric([ns, name], f.min_headroom_bytes)
+            if f.headroom_target_bytes is not None:
+                target.add_metric([ns, name], f.headroom_target_bytes)
+            for p in PHASES:
+                phase.add_metric([ns, name, p], 1 if p == f.phase else 0)
+            for type_, status, reason in f.conditions:
+                condition.add_metric([ns, name, type_, status, reason], 1)
+        yield from (budget, rank, least, target, phase, condition)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the families are built at scrape time
+
+
+SERVICE_GAUGES = ServiceGauges()
+REGISTRY.register(SERVICE_GAUGES)
+
+
+def forget_service(namespace: str, name: str) -> None:
+    """Drop every series of a deleted LLMService (its counters too: a service created again
+    under the same name starts from zero, which rate() and increase() read as a reset)."""
+    SERVICE_GAUGES.forget(namespace, name)
+    for metric in PER_SERVICE:
+        metric.remove_by_labels({"namespace": namespace, "llmservice": name})

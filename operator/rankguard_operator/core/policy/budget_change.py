@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from rankguard_operator.core.budget import block_unit, kv_floor, round_down, utilization_kv_bytes
 from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
@@ -90,7 +91,7 @@ def budget_change(
         action,
         cur.with_kv(target),
         trigger=trigger,
-        reason={"shrink": "ShrankKVCache", "grow": "GrewKVCache"}.get(action, "Replanned"),
+        reason=STATUS_ACTIONS.get(action, STATUS_ACTIONS["replan"]),  # one name per action everywhere
         message=f"{why}; {verb} the per-GPU KV budget from {format_bytes(base)} to "
         f"{format_bytes(target)}{how}",
         rank=rank,

@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 
 from rankguard_operator.core.budget import kv_floor
+from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe import (
     CUDA_OOM,
     ENGINE_ERROR,
@@ -225,7 +226,7 @@ def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | 
         "raise-memory-limit",
         cur.with_memory_limit(new),
         trigger=T_OOM_KILLED,
-        reason="RaisedMemoryLimit",
+        reason=STATUS_ACTIONS["raise-memory-limit"],
         message=(
             f"pod {t.pod_name} was OOMKilled at the container memory limit {format_bytes(old)}; "
             f"raising it to "
@@ -248,7 +249,7 @@ def rule_rollout_failed(inp: PolicyInput, rel: Sequence[Termination]) -> Decisio
             "rollback",
             lkg,
             trigger=T_ROLLOUT_FAILED,
-            reason="RolledBack",
+            reason=STATUS_ACTIONS["rollback"],
             message=f"{what}; rolling back to the last known good flags: {lkg.describe()}",
         )
     return make_decision(
@@ -286,7 +287,7 @@ def rule_engine_error(inp: PolicyInput, rel: Sequence[Termination]) -> Decision 
         "rollback",
         lkg,
         trigger=T_ENGINE_ERROR,
-        reason="RolledBack",
+        reason=STATUS_ACTIONS["rollback"],
         message=(
             f"vLLM exited with an engine error in pod {t.pod_name} (exit code {t.exit_code}: "
             f"{t.message[:200]}) after the change to {cur.describe()}; rolling back to the last known good "

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from rankguard_operator.core.budget import block_unit, is_measured, kv_ceiling, round_down
+from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
 from rankguard_operator.core.policy.decision import (
@@ -53,7 +54,7 @@ def rule_headroom_worse(inp: PolicyInput, rel: Sequence[Termination]) -> Decisio
         "rollback",
         target,
         trigger=T_HEADROOM_WORSE,
-        reason="RolledBack",
+        reason=STATUS_ACTIONS["rollback"],
         message=(
             f"after growing the KV budget from {before.budget_text()} to {cur.budget_text()}, rank "
             f"{b.rank}'s headroom fell to {format_bytes(b.min_free_bytes)}, below the minimum "

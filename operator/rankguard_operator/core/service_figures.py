@@ -1,0 +1,105 @@
+"""What an SRE watches of one LLMService, read from the status a step leaves: the figures the
+operator exports as metrics, the memory terminations it counts, and the one log line when the
+phase changes.
+
+Everything here reads the status as written (one source for `kubectl get`, Events and
+metrics), so the metrics never say something the object does not.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rankguard_operator.core.conditions import Condition, Phase
+from rankguard_operator.core.observe import CUDA_OOM, OOM_KILLED, Termination, terminations
+from rankguard_operator.core.spec import SpecError, parse_spec
+
+MEMORY_KINDS = (CUDA_OOM, OOM_KILLED)
+PHASES = tuple(p.value for p in Phase)
+UNKNOWN_RANK = "unknown"
+# the condition that explains each phase, for the phase-change log line
+_WHY = {
+    Phase.FAILED.value: Condition.DEGRADED.value,
+    Phase.DEGRADED.value: Condition.DEGRADED.value,
+    Phase.REMEDIATING.value: Condition.REMEDIATING.value,
+    Phase.RUNNING.value: Condition.READY.value,
+    Phase.DEPLOYING.value: Condition.PROGRESSING.value,
+    Phase.PENDING.value: Condition.READY.value,
+}
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One service's gauges. None (or empty) is "not known": the series is left out."""
+
+    phase: str
+    kv_budget_bytes: int | None = None
+    rank_headroom: tuple[tuple[int, int], ...] = ()  # (rank, headroom bytes), fresh ranks only
+    headroom_target_bytes: int | None = None
+    conditions: tuple[tuple[str, str, str], ...] = ()  # (type, status, reason)
+
+    @property
+    def min_headroom_bytes(self) -> int | None:
+        return min((h for _, h in self.rank_headroom), default=None)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def figures(status: Mapping[str, Any], spec: Mapping[str, Any]) -> Figures:
+    """The gauges of a service from its status (as a step leaves it) and its spec."""
+    budget = status.get("budget")
+    budget = budget if isinstance(budget, Mapping) else {}
+    ranks = []
+    for row in status.get("ranks") or []:
+        if isinstance(row, Mapping) and not row.get("stale"):
+            rank, headroom = _int(row.get("rank")), _int(row.get("headroomBytes"))
+            if rank is not None and headroom is not None:
+                ranks.append((rank, headroom))
+    try:
+        target: int | None = parse_spec(spec).memory.min_headroom_bytes
+    except SpecError:
+        target = None
+    conditions = tuple(
+        (str(c.get("type")), str(c.get("status") or "Unknown"), str(c.get("reason") or ""))
+        for c in status.get("conditions") or []
+        if isinstance(c, Mapping) and c.get("type")
+    )
+    return Figures(
+        phase=str(status.get("phase") or Phase.PENDING.value),
+        kv_budget_bytes=_int(budget.get("kvCacheMemoryBytes")),
+        rank_headroom=tuple(sorted(ranks)),
+        headroom_target_bytes=target,
+        conditions=conditions,
+    )
+
+
+def memory_terminations(pods: Sequence[Mapping[str, Any]]) -> list[Termination]:
+    """Every run of vLLM that ended for memory (a CUDA OOM, the kernel's OOM kill) visible in
+    the pods' statuses, acted upon or not."""
+    return [t for p in pods for t in terminations(p) if t.kind in MEMORY_KINDS]
+
+
+def rank_label(t: Termination) -> str:
+    return UNKNOWN_RANK if t.rank is None else str(t.rank)
+
+
+def phase_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """One sentence when the phase changed ("Running -> Degraded: OOMAtFloor: …"), else None."""
+    before, after = str(old.get("phase") or ""), str(new.get("phase") or "")
+    if not after or before == after:
+        return None
+    why = _WHY.get(after)
+    cond = next(
+        (c for c in new.get("conditions") or [] if isinstance(c, Mapping) and c.get("type") == why), None
+    )
+    text = f"phase {before or 'none'} -> {after}"
+    if cond is not None:
+        reason, message = str(cond.get("reason") or ""), str(cond.get("message") or "")
+        text += f" ({reason}: {message})" if message else f" ({reason})"
+    return text
