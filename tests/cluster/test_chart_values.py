@@ -47,8 +47,7 @@ SELECTOR = {
 
 def operator_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (deploy,) = by_kind(docs, "Deployment")
-    pod = deploy["spec"]["template"]["spec"]
-    assert isinstance(pod, dict)
+    pod: dict[str, Any] = deploy["spec"]["template"]["spec"]
     return pod
 
 
