@@ -45,6 +45,7 @@ import yaml
 from kubernetes import client
 
 from rankguard_sim.cluster import ControlPlane, free_port
+from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import install_crd, llmservice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,17 +78,21 @@ def expect(ok: bool, what: str) -> None:
 def wait(
     what: str, probe: Callable[[], Any], timeout: float, alive: Callable[[], None] = lambda: None
 ) -> Any:
-    """`probe()` until it is truthy (its errors count as not yet); `alive()` raises CheckFailed
-    when waiting longer is pointless."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`probe()` until it is truthy (its errors count as not yet), through the sandbox's one
+    wait loop; `alive()` raises CheckFailed when waiting longer is pointless."""
+
+    def attempt() -> Any:
         with contextlib.suppress(Exception):
             found = probe()
             if found:
                 return found
         alive()
-        time.sleep(1)
-    raise CheckFailed(f"{what}: not within {timeout:.0f} s")
+        return None
+
+    try:
+        return wait_for(what, attempt, timeout, every=1)
+    except AssertionError:
+        raise CheckFailed(f"{what}: not within {timeout:.0f} s") from None
 
 
 def running(container: str) -> Callable[[], None]:

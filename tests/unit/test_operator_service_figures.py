@@ -11,12 +11,15 @@ import yaml
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rankguard_operator.core.observe import terminations
 from rankguard_operator.core.service_figures import Figures, figures, memory_terminations, phase_change
+from rankguard_operator.core.spec import parse_spec
 from rankguard_operator.edge.metrics import OOMS_OBSERVED, REMEDIATIONS, SERVICE_GAUGES, forget_service
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((REPO / "examples" / "llama3-70b-tp4.yaml").read_text())["spec"]
 SPEC["memory"]["minHeadroomBytes"] = 256 << 20
+PARSED = parse_spec(SPEC)
 
 
 def status(**more: Any) -> dict[str, Any]:
@@ -46,7 +49,7 @@ def samples(name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float
 
 
 def test_the_gauges_are_read_from_the_status_as_written() -> None:
-    f = figures(status(), SPEC)
+    f = figures(status(), PARSED)
     assert f.kv_budget_bytes == 40 << 30
     assert f.rank_headroom == ((0, 3 << 29), (1, 2 << 30)) and f.min_headroom_bytes == 3 << 29
     assert f.headroom_target_bytes == 256 << 20
@@ -54,7 +57,7 @@ def test_the_gauges_are_read_from_the_status_as_written() -> None:
 
 
 def test_what_is_not_known_is_left_out() -> None:
-    f = figures({"phase": "Pending", "budget": {"gpuMemoryUtilization": 0.9}}, {"model": {}})
+    f = figures({"phase": "Pending", "budget": {"gpuMemoryUtilization": 0.9}}, None)
     assert (f.kv_budget_bytes, f.rank_headroom, f.min_headroom_bytes) == (None, (), None)
     assert f.headroom_target_bytes is None  # a spec that cannot be read has no target
 
@@ -87,12 +90,12 @@ def test_every_memory_termination_counts_not_only_those_acted_upon() -> None:
             ]
         },
     }
-    kinds = sorted(t.kind for t in memory_terminations([pod]))
+    kinds = sorted(t.kind for t in memory_terminations(terminations(pod)))
     assert kinds == ["CUDAOutOfMemory", "OOMKilled"]
 
 
 def test_a_deleted_service_leaves_no_series() -> None:
-    SERVICE_GAUGES.set("ns-a", "gone", figures(status(), SPEC))
+    SERVICE_GAUGES.set("ns-a", "gone", figures(status(), PARSED))
     SERVICE_GAUGES.set("ns-a", "kept", Figures(phase="Degraded"))
     OOMS_OBSERVED.labels(namespace="ns-a", llmservice="gone", reason="CUDAOutOfMemory", rank="0").inc()
     REMEDIATIONS.labels("ns-a", "gone", "ShrinkKVCache", "CUDAOutOfMemory").inc()

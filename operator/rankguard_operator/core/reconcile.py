@@ -61,6 +61,7 @@ from rankguard_operator.core.step_io import (
     World,
     after_apply,
     iso,
+    iso_or_none,
     merge_keys,
     merged_status,
     remediation_id_of,
@@ -401,10 +402,9 @@ class _Pass:
                 "engine": engine_status(engine, self.key),
                 "budgetKey": self.key,
                 "handledTerminations": list(self.handled),
-                # RFC 3339, as Kubernetes writes times (kubectl describe shows them as such)
-                "lowHeadroomSince": _iso_or_none(low_since),
-                "ampleHeadroomSince": _iso_or_none(ample_since),
-                "unschedulableSince": _iso_or_none(unscheduled.since),
+                "lowHeadroomSince": iso_or_none(low_since),
+                "ampleHeadroomSince": iso_or_none(ample_since),
+                "unschedulableSince": iso_or_none(unscheduled.since),
                 "serviceApplied": True,
             }
         )
@@ -420,11 +420,9 @@ class _Pass:
             phase,
             settled.agents_unavailable,
             pass_again_after=unscheduled.due_in,
+            spec=spec,
+            terminations=tuple(fresh_terms),
         )
-
-
-def _iso_or_none(ts: float | None) -> str | None:
-    return None if ts is None else iso(ts)
 
 
 def invalid_spec(state: ServiceState, world: World, message: str) -> Step:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.conditions import Condition, Phase
-from rankguard_operator.core.observe import CUDA_OOM, OOM_KILLED, Termination, terminations
-from rankguard_operator.core.spec import SpecError, parse_spec
+from rankguard_operator.core.observe import CUDA_OOM, OOM_KILLED, Termination
+from rankguard_operator.core.spec import ServiceSpec
 
 MEMORY_KINDS = (CUDA_OOM, OOM_KILLED)
 PHASES = tuple(p.value for p in Phase)
@@ -51,8 +51,9 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def figures(status: Mapping[str, Any], spec: Mapping[str, Any]) -> Figures:
-    """The gauges of a service from its status (as a step leaves it) and its spec."""
+def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
+    """The gauges of a service from its status (as a step leaves it) and its spec as the step
+    parsed it (None when it was refused)."""
     budget = status.get("budget")
     budget = budget if isinstance(budget, Mapping) else {}
     ranks = []
@@ -61,10 +62,6 @@ def figures(status: Mapping[str, Any], spec: Mapping[str, Any]) -> Figures:
             rank, headroom = _int(row.get("rank")), _int(row.get("headroomBytes"))
             if rank is not None and headroom is not None:
                 ranks.append((rank, headroom))
-    try:
-        target: int | None = parse_spec(spec).memory.min_headroom_bytes
-    except SpecError:
-        target = None
     conditions = tuple(
         (str(c.get("type")), str(c.get("status") or "Unknown"), str(c.get("reason") or ""))
         for c in status.get("conditions") or []
@@ -74,15 +71,15 @@ def figures(status: Mapping[str, Any], spec: Mapping[str, Any]) -> Figures:
         phase=str(status.get("phase") or Phase.PENDING.value),
         kv_budget_bytes=_int(budget.get("kvCacheMemoryBytes")),
         rank_headroom=tuple(sorted(ranks)),
-        headroom_target_bytes=target,
+        headroom_target_bytes=None if spec is None else spec.memory.min_headroom_bytes,
         conditions=conditions,
     )
 
 
-def memory_terminations(pods: Sequence[Mapping[str, Any]]) -> list[Termination]:
-    """Every run of vLLM that ended for memory (a CUDA OOM, the kernel's OOM kill) visible in
-    the pods' statuses, acted upon or not."""
-    return [t for p in pods for t in terminations(p) if t.kind in MEMORY_KINDS]
+def memory_terminations(seen: Sequence[Termination]) -> list[Termination]:
+    """The runs of vLLM among `seen` that ended for memory (a CUDA OOM, the kernel's OOM kill),
+    acted upon or not."""
+    return [t for t in seen if t.kind in MEMORY_KINDS]
 
 
 def rank_label(t: Termination) -> str:

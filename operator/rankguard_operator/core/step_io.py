@@ -20,7 +20,7 @@ from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model_source import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.spec import SpecError, parse_spec
+from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
 
 HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
 
@@ -70,6 +70,9 @@ class Step:
     # seconds after which a verdict falls due with nothing else changing (a pod unschedulable
     # for long enough, core/blockers): the edge should pass again by then; None: no such clock
     pass_again_after: float | None = None
+    spec: ServiceSpec | None = None  # the spec as this step parsed it (None: refused)
+    # the vLLM terminations this step saw for the first time (not yet in handledTerminations)
+    terminations: tuple[observe.Termination, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,6 +81,11 @@ class Step:
 
 def iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def iso_or_none(ts: float | None) -> str | None:
+    """A clock kept in status (None: not running), RFC 3339 as Kubernetes writes times."""
+    return None if ts is None else iso(ts)
 
 
 def merge_keys(keys: Sequence[str], more: Sequence[str]) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
+from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import (
@@ -89,7 +90,7 @@ class ServiceExecutor:
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
         self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
-        self._ooms_counted: set[str] | None = None  # termination keys counted (None: not seeded)
+        self._ooms_counted: set[str] = set()  # keys of new memory terminations already counted
         # whether the last pass had something that changes without a watch event: agents to
         # scrape, a remediation under way, pods starting on a node (handlers pick the cadence)
         self.busy = True
@@ -236,7 +237,7 @@ class ServiceExecutor:
             ENGINE_RULES_FALLBACK.labels(namespace=world.namespace, llmservice=world.name).set(
                 0 if rules.get("status") == "True" else 1
             )
-        self._count_ooms(pods, state)
+        self._count_ooms(step.terminations)
         try:
             await self.execute(body, state, step)
         except k8s.ApplyRefused as e:
@@ -244,15 +245,13 @@ class ServiceExecutor:
             await self._refused_apply(body, state, world, e)
             return Phase.DEGRADED.value
         self._refused = None
-        self._published(state, step, spec)
+        self._published(state, step)
         return step.phase
 
-    def _published(
-        self, before: reconcile.ServiceState, step: reconcile.Step, spec: Mapping[str, Any]
-    ) -> None:
+    def _published(self, before: reconcile.ServiceState, step: reconcile.Step) -> None:
         """The service's gauges from the status just written, and one log line when its phase
         changed (a warning when it became Degraded or Failed)."""
-        SERVICE_GAUGES.set(self.namespace, self.name, service_figures.figures(step.state.raw, spec))
+        SERVICE_GAUGES.set(self.namespace, self.name, service_figures.figures(step.state.raw, step.spec))
         change = service_figures.phase_change(before.raw, step.state.raw)
         if change is not None:
             bad = step.phase in (Phase.DEGRADED.value, Phase.FAILED.value)
@@ -264,24 +263,20 @@ class ServiceExecutor:
                 change,
             )
 
-    def _count_ooms(self, pods: Sequence[Mapping[str, Any]], state: reconcile.ServiceState) -> None:
-        """Count each memory termination the pods show once, acted upon or not. The first pass
-        after a start takes those status already lists as handled as counted before."""
-        if self._ooms_counted is None:
-            self._ooms_counted = set(state.handled)
-        live = set()
-        for t in service_figures.memory_terminations(pods):
-            live.add(t.key)
-            if t.key in self._ooms_counted:
-                continue
-            self._ooms_counted.add(t.key)
-            OOMS_OBSERVED.labels(
-                namespace=self.namespace,
-                llmservice=self.name,
-                reason=t.kind,
-                rank=service_figures.rank_label(t),
-            ).inc()
-        self._ooms_counted &= live | set(state.handled)
+    def _count_ooms(self, new: Sequence[Termination]) -> None:
+        """Count each memory termination once, acted upon or not. The step lists those not yet
+        in status.handledTerminations (so a restarted operator does not count them again); one
+        the policy left unhandled is listed again next pass, and is remembered here until then."""
+        fresh = service_figures.memory_terminations(new)
+        for t in fresh:
+            if t.key not in self._ooms_counted:
+                OOMS_OBSERVED.labels(
+                    namespace=self.namespace,
+                    llmservice=self.name,
+                    reason=t.kind,
+                    rank=service_figures.rank_label(t),
+                ).inc()
+        self._ooms_counted = {t.key for t in fresh}
 
     async def _model_config(self, spec: Mapping[str, Any], generation: int) -> ConfigRead | None:
         """spec.model.configMap's config.json (None when the spec names none)."""
