@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rankguard_agent.gpu.sim import write_device, write_proc
+from rankguard_agent.gpu.simfiles import write_device, write_proc
 
 GIB = 1 << 30
 AGENT_ROOT = Path(__file__).resolve().parents[1] / "agent"

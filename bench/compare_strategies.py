@@ -59,12 +59,23 @@ from rankguard_agent.report import (
 from rankguard_agent.sampler import DEFAULT_WINDOW_SECONDS
 from rankguard_agent.termination import TerminationMessage
 from rankguard_operator.core import policy, reconcile
+from rankguard_operator.core.effects import (
+    ApplyDeployment,
+    ApplyService,
+    Effect,
+    PostEvent,
+    WriteIntent,
+    WriteStatus,
+)
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.names import VLLM_CONTAINER
-from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash, format_time
+from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.render import served_argv
+from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.step_io import ReportInput, Settings, World, after_apply, scrape_targets
+from rankguard_operator.core.units import iso
 from rankguard_sim.engine_config import EngineConfig
 from rankguard_sim.engine_failures import EngineFailure
 from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
@@ -455,7 +466,7 @@ def crashed(
                 "exitCode": message.exit_code,
                 "reason": "Error",
                 "message": message.to_json(),
-                "finishedAt": format_time(now),
+                "finishedAt": iso(now),
             }
         },
     }
@@ -528,14 +539,14 @@ class RankguardLoop:
         self.scenario = scenario
         self.spec_doc = spec_for(scenario, probe=probe)
         self.spec = parse_spec(self.spec_doc)
-        self.settings = reconcile.Settings(agent_image=AGENT_IMAGE, stale_after=STALE_AFTER)
+        self.settings = Settings(agent_image=AGENT_IMAGE, stale_after=STALE_AFTER)
         self.now = T0
         self.status: dict[str, Any] = {}  # the LLMService's .status as stored
-        self.state = reconcile.ServiceState()
+        self.state = ServiceState()
         self.deployment: dict[str, Any] | None = None
         self.service: Mapping[str, Any] | None = None
         self.pod: dict[str, Any] | None = None
-        self.events: list[reconcile.PostEvent] = []
+        self.events: list[PostEvent] = []
         self.trace: list[str] = []
         self._ids = itertools.count(1)
         self._held: set[tuple[str | None, str]] = set()
@@ -551,16 +562,16 @@ class RankguardLoop:
         """One pass at `now`. `free`/`min_free`: what the agent of a Ready pod reports (per rank,
         free memory and its window minimum); None when there is nothing to scrape."""
         pods = [self.pod] if self.pod is not None else []
-        reports: list[reconcile.ReportInput] = []
+        reports: list[ReportInput] = []
         if free is not None:
             assert min_free is not None
             probe = self.spec.agent.probe
-            for name, _ip, _port in reconcile.scrape_targets(self.spec_doc, self.deployment, pods):
+            for name, _ip, _port in scrape_targets(self.spec_doc, self.deployment, pods):
                 report = agent_report(
                     self.scenario, free, min_free, self.now, probe=probe, startup_free=startup_free
                 )
                 reports.append((name, report, self.now))
-        world = reconcile.World(
+        world = World(
             name=self.scenario.name,
             namespace=NAMESPACE,
             uid=f"uid-llmservice-{self.scenario.name}",
@@ -575,7 +586,7 @@ class RankguardLoop:
         step = reconcile.step(self.state, world, self.settings)
         for effect in step.effects:
             self._carry_out(effect)
-        stored = reconcile.ServiceState.from_status(self.status)
+        stored = ServiceState.from_status(self.status)
         if replace(stored, raw={}) != replace(step.state, raw={}):
             raise AssertionError(f"the status as stored is not the step's state:\n{stored}\n{step.state}")
         self.state = stored
@@ -589,16 +600,16 @@ class RankguardLoop:
             self.hold(d)
         return d
 
-    def _carry_out(self, effect: reconcile.Effect) -> None:
-        if isinstance(effect, reconcile.WriteIntent):
+    def _carry_out(self, effect: Effect) -> None:
+        if isinstance(effect, WriteIntent):
             self.status = merge_patch(self.status, {"pendingRemediation": dict(effect.pending)})
-        elif isinstance(effect, reconcile.ApplyDeployment):
-            self.deployment = reconcile.after_apply(self.deployment, effect.body)
-        elif isinstance(effect, reconcile.PostEvent):
+        elif isinstance(effect, ApplyDeployment):
+            self.deployment = after_apply(self.deployment, effect.body)
+        elif isinstance(effect, PostEvent):
             self.events.append(effect)
-        elif isinstance(effect, reconcile.ApplyService):
+        elif isinstance(effect, ApplyService):
             self.service = effect.body
-        elif isinstance(effect, reconcile.WriteStatus):
+        elif isinstance(effect, WriteStatus):
             self.status = merge_patch(self.status, effect.patch)
 
     @property

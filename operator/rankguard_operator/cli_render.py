@@ -20,12 +20,13 @@ from typing import Any, TextIO
 import yaml
 
 from rankguard_operator.core import reconcile
+from rankguard_operator.core.effects import ApplyClaim, ApplyDeployment, ApplyService, PostEvent
 from rankguard_operator.core.engine_rules import rules_for_image
-from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, VLLM_CONTAINER
 from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.step_io import Settings, World
 from rankguard_operator.core.units import QuantityError, parse_bytes
-from rankguard_operator.edge.config import DEFAULT_AGENT_IMAGE
 
 API_VERSION = "rankguard.io/v1alpha1"
 KIND = "LLMService"
@@ -81,7 +82,7 @@ def render_service(
         raise RenderError(f"an {KIND} without metadata.name")
     ns = str(meta.get("namespace") or namespace)
     status = {"gpuMemoryBytes": gpu_memory_bytes} if gpu_memory_bytes else {}
-    world = reconcile.World(
+    world = World(
         name=name,
         namespace=ns,
         uid=PLACEHOLDER_UID,
@@ -91,14 +92,14 @@ def render_service(
         new_id="render",
     )
     step = reconcile.step(
-        ServiceState.from_status(status), world, reconcile.Settings(agent_image=agent_image, stale_after=30.0)
+        ServiceState.from_status(status), world, Settings(agent_image=agent_image, stale_after=30.0)
     )
     if step.decision is None:  # refused: the operator would set InvalidSpec and apply nothing
-        messages = [e.message for e in step.effects if isinstance(e, reconcile.PostEvent)]
+        messages = [e.message for e in step.effects if isinstance(e, PostEvent)]
         return [], [f"{ns}/{name}: {m}" for m in messages]
     objects: list[dict[str, Any]] = []
     for e in step.effects:
-        if isinstance(e, (reconcile.ApplyClaim, reconcile.ApplyDeployment, reconcile.ApplyService)):
+        if isinstance(e, (ApplyClaim, ApplyDeployment, ApplyService)):
             objects.append(dict(e.body))
     return objects, []
 

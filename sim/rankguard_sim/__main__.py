@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .cluster import ControlPlane, ControlPlaneError
-from .testbin import TestbinMissing
+from rankguard_sim.cluster import ControlPlane, ControlPlaneError
+from rankguard_sim.testbin import TestbinMissing
 
 DEFAULT_DIR = Path(os.environ.get("RANKGUARD_CLUSTER_DIR", Path.home() / ".cache" / "rankguard" / "cluster"))
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "cluster":
         return cluster_up(args.dir) if args.action == "up" else cluster_down(args.dir)
-    from . import demo  # noqa: PLC0415 - pulls in the kubelet and the scenarios
+    from rankguard_sim import demo  # noqa: PLC0415 - pulls in the kubelet and the scenarios
 
     return demo.up(keep=args.keep) if args.action == "up" else demo.down()
 

@@ -23,9 +23,9 @@ from typing import IO, Any
 
 from kubernetes import client
 
-from .cluster import ControlPlane
-from .testbin import REPO_ROOT
-from .world import OperatorProcess, install_crd, llmservice, start_node, wait_node_schedulable
+from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.testbin import REPO_ROOT
+from rankguard_sim.world import OperatorProcess, install_crd, llmservice, start_node, wait_node_schedulable
 
 DEMO_DIR = Path(os.environ.get("RANKGUARD_DEMO_DIR", REPO_ROOT / ".demo"))
 EXAMPLE = REPO_ROOT / "examples" / "llama3-70b-tp4.yaml"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scenario_data import Scenario
-from .vllm_snapshot import default_block_size, kv_cache_dtypes, snapshot
+from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.vllm_snapshot import default_block_size, kv_cache_dtypes, snapshot
 
 
 def _dtype_choices() -> tuple[str, ...]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .scenario_data import GIB, KIB, MIB
-from .vllm_snapshot import format_gib, message
+from rankguard_sim.scenario_data import GIB, KIB, MIB
+from rankguard_sim.vllm_snapshot import format_gib, message
 
 # Outcome reasons (the world's words; the agent recognises the printed messages instead).
 CUDA_OOM = "CUDAOutOfMemory"

@@ -11,10 +11,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine_config import EngineConfig, engine_config
-from .engine_failures import EngineFailure
-from .engine_memory import EngineMemoryModel, PureLedger, rank_memory
-from .scenario_data import Scenario, gib
+from rankguard_sim.engine_config import EngineConfig, engine_config
+from rankguard_sim.engine_failures import EngineFailure
+from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
+from rankguard_sim.scenario_data import Scenario, gib
 
 # ---------------------------------------------------------------------------------------------
 # Questions a benchmark asks

@@ -31,46 +31,11 @@ from rankguard_agent.gpu import simfiles
 from rankguard_agent.gpu.simfiles import (
     DEFAULT_NAME,
     SIM_ROOT_ENV,
-    VISIBLE_DEVICES_ENV,
     PathLike,
     device_path,
     pid_alive,
     procs_dir,
 )
-
-__all__ = [
-    "DEFAULT_NAME",
-    "DEFAULT_SEED",
-    "GPU_ROOT_ENV",
-    "VISIBLE_DEVICES_ENV",
-    "Allocation",
-    "Device",
-    "MemoryReading",
-    "PathLike",
-    "ProcAllocation",
-    "SimGpuError",
-    "all_allocations",
-    "check_tag",
-    "cleanup_dead",
-    "create_gpus",
-    "device_path",
-    "free_bytes",
-    "gpu_uuid",
-    "list_gpus",
-    "live_allocations",
-    "mark_lost",
-    "memory",
-    "pid_alive",
-    "process_bytes",
-    "procs_dir",
-    "read_device",
-    "remove_gpu",
-    "set_comm_init_bytes",
-    "set_reserved_bytes",
-    "used_bytes",
-    "visible_uuids",
-    "write_device",
-]
 
 GPU_ROOT_ENV = SIM_ROOT_ENV
 DEFAULT_SEED = "rankguard-sim"

@@ -35,8 +35,8 @@ import site
 import sys
 from pathlib import Path
 
-from .podspec import ImageTable
-from .vllm_snapshot import version as vllm_version
+from rankguard_sim.podspec import ImageTable
+from rankguard_sim.vllm_snapshot import version as vllm_version
 
 SIM_DIR = Path(__file__).resolve().parents[1]  # the repo's sim/ source root
 REPO = SIM_DIR.parent

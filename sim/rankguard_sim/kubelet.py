@@ -69,15 +69,15 @@ from typing import Any
 
 from kubernetes import client
 
-from . import gpus as simgpus
-from .image import build_image
-from .nodegpus import MigLayout, NodeGpus
-from .nodes import heartbeat, register_node
-from .podapi import PodApi, Throttled
-from .podmeta import TERMINAL_PHASES, meta_of
-from .podspec import GPU_RESOURCE, ImageTable, IpPool
-from .podwatch import PodWatch
-from .podworker import PodWorker
+from rankguard_agent.gpu.simfiles import pid_alive
+from rankguard_sim.image import build_image
+from rankguard_sim.nodegpus import MigLayout, NodeGpus
+from rankguard_sim.nodes import heartbeat, register_node
+from rankguard_sim.podapi import PodApi, Throttled
+from rankguard_sim.podmeta import TERMINAL_PHASES, meta_of
+from rankguard_sim.podspec import GPU_RESOURCE, ImageTable, IpPool
+from rankguard_sim.podwatch import PodWatch
+from rankguard_sim.podworker import PodWorker
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
@@ -408,7 +408,7 @@ def wait_for_pids_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if simgpus.pid_alive(p) and not _is_zombie(p)]
+        alive = [p for p in alive if pid_alive(p) and not _is_zombie(p)]
         if alive:
             time.sleep(0.05)
     return alive

@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import gpus as simgpus
-from .nodes import gfd_labels
-from .scenario_data import Scenario
-from .scenario_file import load_scenario
+from rankguard_agent.gpu.simfiles import DEFAULT_NAME
+from rankguard_sim import gpus as simgpus
+from rankguard_sim.nodes import gfd_labels
+from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.scenario_file import load_scenario
 
 GIB = 1 << 30
 DEFAULT_GPU_TOTAL_BYTES = 80 * GIB
@@ -92,7 +93,7 @@ class NodeGpus:
         self.root = root
         self.count = count
         self.scenario: Scenario | None = None
-        self.name = simgpus.DEFAULT_NAME
+        self.name = DEFAULT_NAME
         self.total_bytes = total_bytes or DEFAULT_GPU_TOTAL_BYTES
         if scenario:
             self.scenario = load_scenario(scenario)

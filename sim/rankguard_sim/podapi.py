@@ -18,7 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from .podmeta import meta_of, pod_key, spec_of
+from rankguard_sim.podmeta import meta_of, pod_key, spec_of
 
 log = logging.getLogger("rankguard_sim.kubelet")
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gpus as simgpus
-from .podmeta import meta_of, pod_key, spec_of
-from .podnode import PodNode
-from .podproc import ContainerProcess, Exit
-from .podspec import (
+from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
+from rankguard_sim import gpus as simgpus
+from rankguard_sim.podmeta import meta_of, pod_key, spec_of
+from rankguard_sim.podnode import PodNode
+from rankguard_sim.podproc import ContainerProcess, Exit
+from rankguard_sim.podspec import (
     DEFAULT_TERMINATION_MESSAGE_PATH,
     PathMap,
     PodFacts,
@@ -34,8 +35,14 @@ from .podspec import (
     memory_limit_bytes,
     resolve_executable,
 )
-from .podstatus import ContainerView, Termination, crash_loop_message, exit_reason, termination_message
-from .probes import ProbeTimer, parse_probe
+from rankguard_sim.podstatus import (
+    ContainerView,
+    Termination,
+    crash_loop_message,
+    exit_reason,
+    termination_message,
+)
+from rankguard_sim.probes import ProbeTimer, parse_probe
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
@@ -209,7 +216,7 @@ class PodContainers(threading.Thread):
             "LANG": "C.UTF-8",
         }
         if slot.gpus:
-            env[simgpus.VISIBLE_DEVICES_ENV] = ",".join(slot.gpus)
+            env[VISIBLE_DEVICES_ENV] = ",".join(slot.gpus)
             env[simgpus.GPU_ROOT_ENV] = str(k.gpu_root)
         if k.scenario:
             env[SCENARIO_ENV] = k.scenario

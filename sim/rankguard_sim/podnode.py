@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from .podapi import PodApi
-from .podspec import ImageTable
+from rankguard_sim.podapi import PodApi
+from rankguard_sim.podspec import ImageTable
 
 
 class PodNode(Protocol):

@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from .checkpoint_tensors import CheckpointConfigError, checkpoint_tensors, head_dim, text_config
-from .engine_config import DTYPE_BYTES
-from .scenario_data import (
+from rankguard_sim.checkpoint_tensors import CheckpointConfigError, checkpoint_tensors, head_dim, text_config
+from rankguard_sim.engine_config import DTYPE_BYTES
+from rankguard_sim.scenario_data import (
     DISABLED_BY,
     GIB,
     LOGITS_MODES,
@@ -37,7 +37,7 @@ from .scenario_data import (
     gib,
     parse_bytes,
 )
-from .vllm_snapshot import SNAPSHOT_VERSION, default_block_size
+from rankguard_sim.vllm_snapshot import SNAPSHOT_VERSION, default_block_size
 
 SCENARIO_ENV = "RANKGUARD_SIM_SCENARIO"
 

@@ -24,7 +24,8 @@ from operator_world import GiB, ReportServer, World, cuda_oom, operator, service
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankguard_agent.gpu.sim import SimBackend, write_device, write_proc
+from rankguard_agent.gpu.sim import SimBackend
+from rankguard_agent.gpu.simfiles import write_device, write_proc
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
 from rankguard_sim import testbin

@@ -40,10 +40,9 @@ from rankguard_agent.report import MAX_REPORT_BYTES
 from rankguard_operator.core import render
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.flags import ServingFlags
-from rankguard_operator.core.names import FLAGS_ANNOTATION
+from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
 from rankguard_operator.core.spec import parse_spec
 from rankguard_operator.edge import k8s
-from rankguard_operator.edge.config import DEFAULT_AGENT_IMAGE
 from rankguard_sim.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for
 

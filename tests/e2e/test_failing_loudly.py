@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_operator.core.observe import parse_time
+from rankguard_operator.core.units import parse_iso
 
 from .conftest import GROUP, VERSION, apply_service, condition, get_llmservice, wait_for
 
@@ -139,7 +139,7 @@ def test_a_replica_no_node_can_hold_is_degraded_with_the_schedulers_words(
     assert "the scheduler cannot place pod huge-" in message and "64 nvidia.com/gpu" in message, message
     assert "nodes are available" in message or "no nodes available" in message, message
     assert svc["status"]["phase"] == "Degraded"
-    assert parse_time(svc["status"]["unschedulableSince"]) is not None
+    assert parse_iso(svc["status"]["unschedulableSince"]) is not None
     assert len(events(api, e2e_namespace, "huge", "Unschedulable")) == 1
 
 

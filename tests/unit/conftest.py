@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from launched import AGENT_ROOT
 
-from rankguard_agent.gpu.sim import write_device
+from rankguard_agent.gpu.simfiles import write_device
 
 GIB = 1 << 30
 

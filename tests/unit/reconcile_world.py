@@ -14,6 +14,14 @@ from typing import Any
 from rankguard_agent import termination as tm
 from rankguard_agent.report import RankSample, Report
 from rankguard_operator.core import reconcile
+from rankguard_operator.core.effects import (
+    ApplyDeployment,
+    ApplyService,
+    Effect,
+    PostEvent,
+    WriteIntent,
+    WriteStatus,
+)
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
@@ -21,9 +29,11 @@ from rankguard_operator.core.names import (
 )
 from rankguard_operator.core.observe import deployment_template_hash
 from rankguard_operator.core.render import served_argv
+from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.step_io import ReportInput, Settings, Step, World, after_apply
 from rankguard_operator.core.units import GiB
 
-SETTINGS = reconcile.Settings(agent_image="agent:test", stale_after=30.0)
+SETTINGS = Settings(agent_image="agent:test", stale_after=30.0)
 T0 = 1_800_000_000.0
 SPEC: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
@@ -89,18 +99,18 @@ class Cluster:
     deployment: dict[str, Any] | None = None
     service: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
-    events: dict[str, reconcile.PostEvent] = field(default_factory=dict)
+    events: dict[str, PostEvent] = field(default_factory=dict)
     applies: list[Mapping[str, Any]] = field(default_factory=list)
     clock: float = T0
     ids: int = 0
 
     def world(
         self,
-        reports: tuple[reconcile.ReportInput, ...] = (),
+        reports: tuple[ReportInput, ...] = (),
         node_labels: Mapping[str, Mapping[str, str]] | None = None,
-    ) -> reconcile.World:
+    ) -> World:
         self.ids += 1
-        return reconcile.World(
+        return World(
             name="svc",
             namespace="ns",
             uid="uid-1",
@@ -114,24 +124,24 @@ class Cluster:
             node_labels=dict(node_labels or {}),
         )
 
-    def state(self) -> reconcile.ServiceState:
-        return reconcile.ServiceState.from_status(copy.deepcopy(self.status))
+    def state(self) -> ServiceState:
+        return ServiceState.from_status(copy.deepcopy(self.status))
 
-    def execute(self, effect: reconcile.Effect) -> None:
-        if isinstance(effect, reconcile.WriteIntent):
+    def execute(self, effect: Effect) -> None:
+        if isinstance(effect, WriteIntent):
             self.status["pendingRemediation"] = dict(effect.pending)
-        elif isinstance(effect, reconcile.WriteStatus):
+        elif isinstance(effect, WriteStatus):
             self.status = merge_patch(self.status, effect.patch)
-        elif isinstance(effect, reconcile.ApplyDeployment):
+        elif isinstance(effect, ApplyDeployment):
             self.applies.append(effect.body)
-            self.deployment = reconcile.after_apply(self.deployment, copy.deepcopy(dict(effect.body)))
-        elif isinstance(effect, reconcile.ApplyService):
+            self.deployment = after_apply(self.deployment, copy.deepcopy(dict(effect.body)))
+        elif isinstance(effect, ApplyService):
             self.service = dict(effect.body)
-        elif isinstance(effect, reconcile.PostEvent):
+        elif isinstance(effect, PostEvent):
             key = effect.name or f"{effect.reason}#{len(self.events)}"
             self.events.setdefault(key, effect)
 
-    def run(self, crash_after: int | None = None, **kw: Any) -> reconcile.Step:
+    def run(self, crash_after: int | None = None, **kw: Any) -> Step:
         """One pass; with `crash_after`, the operator dies after that many effects."""
         step = reconcile.step(self.state(), self.world(**kw), SETTINGS)
         for i, effect in enumerate(step.effects):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from rankguard_agent.gpu import GpuUnavailable, open_backend, resolve_backend_kind
-from rankguard_agent.gpu.sim import SimBackend, read_device, remove_proc, write_device, write_proc
+from rankguard_agent.gpu.sim import SimBackend
+from rankguard_agent.gpu.simfiles import read_device, remove_proc, write_device, write_proc
 
 GIB = 1 << 30
 

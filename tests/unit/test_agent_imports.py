@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_agent.gpu.sim import write_device
+from rankguard_agent.gpu.simfiles import write_device
 
 AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"
 ALLOWED_DISTRIBUTIONS = ("aiohttp", "prometheus_client", "PyYAML", "nvidia-ml-py")

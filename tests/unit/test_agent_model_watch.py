@@ -21,6 +21,7 @@ from model_checkpoints import (
     write_model,
 )
 
+from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
 from rankguard_agent.model_files import (
     ModelFiles,
     download_complete,
@@ -121,7 +122,7 @@ async def test_the_launched_agent_reports_the_files_the_fake_vllm_downloaded(
             "PYTHONPATH": os.pathsep.join([str(AGENT_ROOT), str(REPO / "sim")]),
             "HOME": str(home),
             gpus.GPU_ROOT_ENV: str(root),
-            gpus.VISIBLE_DEVICES_ENV: ",".join(uuids),
+            VISIBLE_DEVICES_ENV: ",".join(uuids),
             SCENARIO_ENV: str(scenario),
             fake_vllm.TIME_SCALE_ENV: "50",
             fake_vllm.PEAK_HOLD_ENV: "0.05",

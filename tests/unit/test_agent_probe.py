@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 from launched import agent_port, stop
 
-from rankguard_agent.gpu.sim import SimBackend, write_device
+from rankguard_agent.gpu.sim import SimBackend
+from rankguard_agent.gpu.simfiles import write_device
 from rankguard_agent.probe import ProbeConfig, model_shape_from_config, run_probe, warmup_shapes
 from rankguard_agent.report import Report, parse_report
 from rankguard_agent.termination import parse_termination_message

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard_agent.gpu import GpuReading, ProcessMemory, RankDevice
-from rankguard_agent.gpu.sim import SimBackend, remove_proc, write_device, write_proc
+from rankguard_agent.gpu.sim import SimBackend
+from rankguard_agent.gpu.simfiles import remove_proc, write_device, write_proc
 from rankguard_agent.sampler import Sampler, WindowMin
 from rankguard_sim.waiting import wait_for
 

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard_agent.gpu import NoGpuBackend
-from rankguard_agent.gpu.sim import SimBackend, write_device, write_proc
+from rankguard_agent.gpu.sim import SimBackend
+from rankguard_agent.gpu.simfiles import write_device, write_proc
 from rankguard_agent.report import ProbeRank, ProbeResult, parse_report
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.sampler import Sampler

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.headroom import aggregate
@@ -30,6 +29,7 @@ from rankguard_operator.core.observe import (
 )
 from rankguard_operator.core.render import render_deployment, vllm_args
 from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.step_io import scrape_targets
 from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
 from rankguard_sim.scenario_data import GIB, Scenario
 from rankguard_sim.scenario_file import builtin_names, load_scenario
@@ -178,12 +178,12 @@ def test_each_pass_is_the_operators_step_on_what_it_applied() -> None:
     live = deployment_template_hash(loop.deployment)
     assert live is not None
     assert rollout_state(loop.deployment, live).phase == "progressing"
-    assert reconcile.scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}]) == []
+    assert scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}]) == []
     run = cs.run_world(scenario, argv)
     loop.now += cs.STARTUP_SECONDS
     loop.pod_ready()
     assert rollout_state(loop.deployment, live).complete
-    assert [t[0] for t in reconcile.scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}])] == [
+    assert [t[0] for t in scrape_targets(loop.spec_doc, loop.deployment, [loop.pod or {}])] == [
         "llama3-70b-tp4-1"
     ]
     d = loop.operator_pass(run.idle_free, run.startup_min_free)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
 from rankguard_sim import fake_vllm, gpus
 from rankguard_sim.engine_config import engine_config
 from rankguard_sim.engine_failures import KV_CACHE_TOO_SMALL
@@ -56,7 +57,7 @@ class World:
             # the world's own home: a scenario with a model_config downloads into its HF cache
             "HOME": str(self.root / "home"),
             gpus.GPU_ROOT_ENV: str(self.root),
-            gpus.VISIBLE_DEVICES_ENV: ",".join(self.uuids),
+            VISIBLE_DEVICES_ENV: ",".join(self.uuids),
             SCENARIO_ENV: self.scenario.name,
             fake_vllm.TIME_SCALE_ENV: "50",
             fake_vllm.PEAK_HOLD_ENV: "0.05",

@@ -30,6 +30,7 @@ from rankguard_operator.core.gpu_labels import (
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.step_io import Step
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.reads import NodeLabels
@@ -115,7 +116,7 @@ def test_the_edge_reads_the_nodes_of_scheduled_pods_only_when_the_spec_lacks_the
 # The step plans with them
 
 
-def _run(c: Cluster, nodes: dict[str, dict[str, str]], reports: tuple[Any, ...] = ()) -> reconcile.Step:
+def _run(c: Cluster, nodes: dict[str, dict[str, str]], reports: tuple[Any, ...] = ()) -> Step:
     world = replace(c.world(reports), node_labels=copy.deepcopy(nodes))
     step = reconcile.step(c.state(), world, SETTINGS)
     for effect in step.effects:

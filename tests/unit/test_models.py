@@ -6,18 +6,10 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.models import (
-    CATALOG,
-    REQUIRED_OVERRIDE_KEYS,
-    SHAPE_OVERRIDE_KEYS,
-    InvalidShapeError,
-    ModelShape,
-    UnknownModelError,
-    catalog_key,
-    lookup_catalog,
-    resolve_model,
-    shape_from_hf_config,
-)
+from rankguard_operator.core.catalog import CATALOG, catalog_key, lookup_catalog
+from rankguard_operator.core.hf_config import shape_from_hf_config
+from rankguard_operator.core.model_shape import InvalidShapeError, ModelShape, UnknownModelError
+from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS, resolve_model
 
 # shared/reference/vllm-memory-facts.md, "KV bytes" table
 REFERENCE_TABLE = [

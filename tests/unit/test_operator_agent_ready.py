@@ -22,7 +22,9 @@ from reconcile_world import SETTINGS, Cluster, pod, report, running
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.agent_ready import AgentMiss, clean_agent_error
 from rankguard_operator.core.conditions import condition
+from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
+from rankguard_operator.core.step_io import Step
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
 from rankguard_operator.edge.scrape import (
@@ -147,7 +149,7 @@ def ready_since(c: Cluster, at: float) -> None:
         p["status"]["conditions"] = [{"type": "Ready", "status": "True", "lastTransitionTime": iso(at)}]
 
 
-def step(c: Cluster, *, fresh: tuple[str, ...] = (), misses: tuple[AgentMiss, ...] = ()) -> reconcile.Step:
+def step(c: Cluster, *, fresh: tuple[str, ...] = (), misses: tuple[AgentMiss, ...] = ()) -> Step:
     reports = tuple((name, report((6 * GiB, 6 * GiB), c.clock), c.clock) for name in fresh)
     world = replace(c.world(reports), agent_misses=misses)
     settings = replace(SETTINGS, agent_unavailable_after=BOUND)
@@ -162,7 +164,7 @@ def agent_ready(c: Cluster) -> dict[str, Any]:
     return dict(condition(c.status["conditions"], "AgentReady") or {})
 
 
-def events(c: Cluster, reason: str) -> list[reconcile.PostEvent]:
+def events(c: Cluster, reason: str) -> list[PostEvent]:
     return [e for e in c.events.values() if e.reason == reason]
 
 

@@ -13,10 +13,12 @@ from reconcile_world import SETTINGS, Cluster
 
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import condition
+from rankguard_operator.core.effects import ApplyClaim
 from rankguard_operator.core.model_cache import claim_to_apply
 from rankguard_operator.core.names import cache_claim_name
 from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.step_io import Step
 
 
 class CacheCluster(Cluster):
@@ -25,11 +27,11 @@ class CacheCluster(Cluster):
     claim: dict[str, Any] | None = None
     claims_applied: list[dict[str, Any]]
 
-    def step(self) -> reconcile.Step:
+    def step(self) -> Step:
         world = replace(self.world(), cache_claim=copy.deepcopy(self.claim))
         step = reconcile.step(self.state(), world, SETTINGS)
         for effect in step.effects:
-            if isinstance(effect, reconcile.ApplyClaim):
+            if isinstance(effect, ApplyClaim):
                 body = copy.deepcopy(dict(effect.body))
                 self.claims_applied.append(body)
                 self.claim = {**body, "status": {"phase": "Pending"}}
@@ -74,7 +76,7 @@ def test_a_missing_named_claim_says_how_to_fix_it_once_and_stops_nothing() -> No
     c = cluster(claimName="weights")
     for _ in range(4):
         step = c.step()
-        assert not any(isinstance(e, reconcile.ApplyClaim) for e in step.effects)  # the user's claim
+        assert not any(isinstance(e, ApplyClaim) for e in step.effects)  # the user's claim
     cond = c.cache()
     assert (cond["status"], cond["reason"]) == ("False", "ClaimNotFound")
     for words in ("PersistentVolumeClaim weights", "namespace ns", "create it", "spec.modelCache.size"):
@@ -184,5 +186,5 @@ def test_no_claim_without_a_cache_and_no_condition() -> None:
     c = CacheCluster()
     c.claims_applied = []
     step = c.step()
-    assert not any(isinstance(e, reconcile.ApplyClaim) for e in step.effects)
+    assert not any(isinstance(e, ApplyClaim) for e in step.effects)
     assert c.cache() == {}

@@ -25,22 +25,24 @@ from reconcile_world import (
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.budget import prior_plan
-from rankguard_operator.core.observe import parse_time
-from rankguard_operator.core.spec import SpecError, parse_spec
-from rankguard_operator.core.units import GiB, MiB, TiB
+from rankguard_operator.core.effects import ApplyDeployment, Effect, PostEvent, WriteStatus
+from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.units import GiB, MiB, TiB, parse_iso
 
 
 def degraded(c: Cluster) -> dict[str, Any]:
     return next(x for x in c.status["conditions"] if x["type"] == "Degraded")
 
 
-def events(steps: list[reconcile.Step], reason: str) -> list[reconcile.PostEvent]:
+def events(steps: list[Step], reason: str) -> list[PostEvent]:
     """The Events of `reason` the steps asked for (what the edge would post, before throttling)."""
-    return [e for s in steps for e in s.effects if isinstance(e, reconcile.PostEvent) and e.reason == reason]
+    return [e for s in steps for e in s.effects if isinstance(e, PostEvent) and e.reason == reason]
 
 
-def writes(step: reconcile.Step) -> list[reconcile.Effect]:
-    return [e for e in step.effects if isinstance(e, (reconcile.WriteStatus, reconcile.ApplyDeployment))]
+def writes(step: Step) -> list[Effect]:
+    return [e for e in step.effects if isinstance(e, (WriteStatus, ApplyDeployment))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,7 +289,7 @@ def test_a_pod_that_cannot_be_scheduled_is_degraded_with_the_schedulers_words_on
     unschedulable(c, SCHEDULER + " " + "node-x: taint; " * 200)
     steps = [c.run()]
     assert degraded(c)["status"] == "False"  # the scheduler may only be waiting: not yet
-    assert parse_time(c.status["unschedulableSince"]) == pytest.approx(c.clock - 2.0, abs=1.0)
+    assert parse_iso(c.status["unschedulableSince"]) == pytest.approx(c.clock - 2.0, abs=1.0)
     assert steps[0].pass_again_after == pytest.approx(UNSCHEDULABLE_AFTER_SECONDS)  # the edge comes back
     c.clock += UNSCHEDULABLE_AFTER_SECONDS
     steps += [c.run() for _ in range(4)]
@@ -318,7 +320,7 @@ def test_a_pod_waiting_for_the_gpus_of_a_terminating_one_is_not_degraded() -> No
     c.pods = c.pods[:1]
     c.run()
     assert degraded(c)["status"] == "False"
-    assert parse_time(c.status["unschedulableSince"]) == pytest.approx(c.clock - 2.0, abs=1.0)
+    assert parse_iso(c.status["unschedulableSince"]) == pytest.approx(c.clock - 2.0, abs=1.0)
 
 
 # --------------------------------------------------------------------------------------------

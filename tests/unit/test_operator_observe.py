@@ -9,19 +9,17 @@ import pytest
 
 from rankguard_agent.termination import TerminationMessage
 from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
 from rankguard_operator.core.observe import (
     carried_template_hash,
-    format_time,
     new_terminations,
-    parse_time,
     pod_flags,
     pod_ip,
     pod_ready,
     rollout_state,
     terminations,
 )
-from rankguard_operator.core.render import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
-from rankguard_operator.core.units import GiB, MiB
+from rankguard_operator.core.units import GiB, MiB, iso, parse_iso
 
 GIB_2 = 2 * GiB
 OOM_JSON = TerminationMessage(
@@ -115,7 +113,7 @@ def test_cuda_oom_termination_message_in_last_state() -> None:
     assert (t.requested_bytes, t.free_bytes, t.total_bytes) == (GIB_2, 512 * MiB, 80 * GiB)
     assert t.deficit_bytes == GIB_2 - 512 * MiB
     assert t.kv_cache_bytes == round(37.68 * GiB)
-    assert t.finished_at == parse_time("2026-11-29T21:50:02Z") == 1795989002.0
+    assert t.finished_at == parse_iso("2026-11-29T21:50:02Z") == 1795989002.0
     assert t.key == "7c1e-uid/vllm/0"
     assert "CUDA out of memory" in t.message
 
@@ -217,10 +215,10 @@ def test_readiness_and_ip() -> None:
 
 
 def test_time_round_trip() -> None:
-    assert format_time(1795989002.7) == "2026-11-29T21:50:02Z"
-    assert parse_time("2026-11-29T21:50:02Z") == 1795989002.0
-    assert parse_time("2026-11-29T22:50:02+01:00") == 1795989002.0
-    assert parse_time("yesterday") is None and parse_time(None) is None and parse_time("") is None
+    assert iso(1795989002.7) == "2026-11-29T21:50:02Z"
+    assert parse_iso("2026-11-29T21:50:02Z") == 1795989002.0
+    assert parse_iso("2026-11-29T22:50:02+01:00") == 1795989002.0
+    assert parse_iso("yesterday") is None and parse_iso(None) is None and parse_iso("") is None
 
 
 # --- rollouts -----------------------------------------------------------------------------------

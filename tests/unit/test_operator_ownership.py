@@ -14,6 +14,8 @@ from typing import Any
 from reconcile_world import SETTINGS, crash_the_pod, running
 
 from rankguard_operator.core import ownership, reconcile
+from rankguard_operator.core.effects import ApplyDeployment, WriteIntent
+from rankguard_operator.core.step_io import Step
 
 SERVICE_UID = "uid-1"  # reconcile_world's LLMService
 
@@ -89,12 +91,12 @@ def test_a_forged_pods_cuda_oom_does_not_change_the_budget() -> None:
     real = c.pods[0]
     real["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "uid": "rs-1", "controller": True}]
 
-    def step_with(pods: list[dict[str, Any]]) -> reconcile.Step:
+    def step_with(pods: list[dict[str, Any]]) -> Step:
         trusted, _ = ownership.trusted_pods(pods, RS_OWNERS, c.deployment, SERVICE_UID)
         return reconcile.step(c.state(), replace(c.world(), pods=trusted), SETTINGS)
 
     forged_only = step_with([forged])
-    assert not any(isinstance(e, reconcile.ApplyDeployment) for e in forged_only.effects)
+    assert not any(isinstance(e, ApplyDeployment) for e in forged_only.effects)
     assert forged_only.state.raw.get("servingFlags") == kv_before
     acted = step_with([real])
-    assert any(isinstance(e, reconcile.WriteIntent) for e in acted.effects)
+    assert any(isinstance(e, WriteIntent) for e in acted.effects)

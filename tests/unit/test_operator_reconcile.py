@@ -27,6 +27,7 @@ from reconcile_world import (
 
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.effects import ApplyDeployment, PostEvent, WriteIntent
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
     REMEDIATION_ID_ANNOTATION,
@@ -34,7 +35,9 @@ from rankguard_operator.core.names import (
     label_value,
 )
 from rankguard_operator.core.observe import deployment_template_hash
+from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.step_io import World, after_apply, scrape_targets
 from rankguard_operator.core.units import GiB
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +68,7 @@ def test_a_steady_pass_changes_nothing_and_writes_nothing() -> None:
     # second over the same world write nothing and apply nothing.
     c.clock -= 2.0
     again = reconcile.step(c.state(), c.world(), SETTINGS)
-    assert [e for e in again.effects if not isinstance(e, reconcile.PostEvent)] == []
+    assert [e for e in again.effects if not isinstance(e, PostEvent)] == []
 
 
 def test_an_invalid_spec_gets_a_condition_and_an_event_and_nothing_is_applied() -> None:
@@ -97,7 +100,7 @@ def test_replicas_changed_by_hand_are_put_back() -> None:
     assert c.deployment is not None
     c.deployment["spec"]["replicas"] = 5
     step = c.run()
-    assert any(isinstance(e, reconcile.ApplyDeployment) for e in step.effects)
+    assert any(isinstance(e, ApplyDeployment) for e in step.effects)
     assert c.deployment["spec"]["replicas"] == 1
 
 
@@ -120,9 +123,9 @@ def test_scrape_targets_are_the_ready_pods_of_the_live_template() -> None:
     live = c.pods[0]
     stale = pod("svc-old", {TEMPLATE_HASH_ANNOTATION: "0000"}, ready=True)
     not_ready = pod("svc-nr", live["metadata"]["annotations"], ready=False)
-    targets = reconcile.scrape_targets(c.spec, c.deployment, [live, stale, not_ready])
+    targets = scrape_targets(c.spec, c.deployment, [live, stale, not_ready])
     assert targets == [(live["metadata"]["name"], "127.0.0.9", 9404)]
-    assert reconcile.scrape_targets({"model": {}}, c.deployment, [live]) == []  # unreadable spec
+    assert scrape_targets({"model": {}}, c.deployment, [live]) == []  # unreadable spec
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,8 +142,8 @@ def test_a_cuda_oom_writes_the_intent_then_rolls_once_then_reports() -> None:
     kinds = [type(e).__name__ for e in step.effects]
     assert kinds == ["WriteIntent", "ApplyDeployment", "PostEvent", "WriteStatus"]
     intent, roll, event = step.effects[0], step.effects[1], step.effects[2]
-    assert isinstance(intent, reconcile.WriteIntent) and isinstance(roll, reconcile.ApplyDeployment)
-    assert isinstance(event, reconcile.PostEvent)
+    assert isinstance(intent, WriteIntent) and isinstance(roll, ApplyDeployment)
+    assert isinstance(event, PostEvent)
     rid = intent.pending["id"]
     assert roll.body["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION] == rid == roll.remediation_id
     assert event.name == rid and event.reason == "ShrinkKVCache" and event.type == "Warning"
@@ -153,7 +156,7 @@ def test_a_cuda_oom_writes_the_intent_then_rolls_once_then_reports() -> None:
     assert c.status["phase"] == "Remediating"
     # The same termination seen again (the old pod lingers while it terminates): nothing more.
     again = c.run()
-    assert not any(isinstance(e, (reconcile.ApplyDeployment, reconcile.WriteIntent)) for e in again.effects)
+    assert not any(isinstance(e, (ApplyDeployment, WriteIntent)) for e in again.effects)
 
 
 def test_a_pending_remediation_not_yet_rolled_is_rolled_with_its_own_id() -> None:
@@ -162,11 +165,11 @@ def test_a_pending_remediation_not_yet_rolled_is_rolled_with_its_own_id() -> Non
     c.run(crash_after=1)  # the intent is written, then the operator dies
     pending = c.status["pendingRemediation"]
     step = c.run()  # a restarted operator
-    rolls = [e for e in step.effects if isinstance(e, reconcile.ApplyDeployment)]
+    rolls = [e for e in step.effects if isinstance(e, ApplyDeployment)]
     assert len(rolls) == 1
     assert rolls[0].body["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION] == pending["id"]
     assert [h["revision"] for h in c.status["remediations"]] == [pending["id"]]
-    assert [e.reason for e in step.effects if isinstance(e, reconcile.PostEvent)] == ["RemediationResumed"]
+    assert [e.reason for e in step.effects if isinstance(e, PostEvent)] == ["RemediationResumed"]
     assert "pendingRemediation" not in c.status
 
 
@@ -177,9 +180,9 @@ def test_a_pending_remediation_already_rolled_is_only_recorded() -> None:
     assert c.deployment is not None
     rid = c.deployment["metadata"]["annotations"][REMEDIATION_ID_ANNOTATION]
     step = c.run()
-    assert not any(isinstance(e, reconcile.ApplyDeployment) for e in step.effects)
+    assert not any(isinstance(e, ApplyDeployment) for e in step.effects)
     assert [h["revision"] for h in c.status["remediations"]] == [rid]
-    events = [e for e in step.effects if isinstance(e, reconcile.PostEvent)]
+    events = [e for e in step.effects if isinstance(e, PostEvent)]
     assert [(e.reason, e.name) for e in events] == [("RemediationResumed", rid)]
 
 
@@ -189,8 +192,8 @@ def test_a_hold_is_reported_as_a_repeating_event_without_a_roll() -> None:
     c.generation += 1
     crash_the_pod(c)
     step = c.run()
-    assert not any(isinstance(e, (reconcile.WriteIntent, reconcile.ApplyDeployment)) for e in step.effects)
-    [event] = [e for e in step.effects if isinstance(e, reconcile.PostEvent)]
+    assert not any(isinstance(e, (WriteIntent, ApplyDeployment)) for e in step.effects)
+    [event] = [e for e in step.effects if isinstance(e, PostEvent)]
     assert event.reason == "RemediationDisabled" and event.repeat and event.name is None
     assert c.status["phase"] == "Degraded"
 
@@ -237,19 +240,17 @@ def test_after_apply_bumps_the_generation_only_when_the_spec_changes() -> None:
     c = running()
     live = c.deployment
     assert live is not None
-    same = reconcile.after_apply(live, copy.deepcopy(live))
+    same = after_apply(live, copy.deepcopy(live))
     assert same["metadata"]["generation"] == live["metadata"]["generation"]
     changed = copy.deepcopy(live)
     changed["spec"]["replicas"] = 2
-    assert (
-        reconcile.after_apply(live, changed)["metadata"]["generation"] == live["metadata"]["generation"] + 1
-    )
-    first = reconcile.after_apply(None, changed)
+    assert after_apply(live, changed)["metadata"]["generation"] == live["metadata"]["generation"] + 1
+    first = after_apply(None, changed)
     assert first["metadata"]["generation"] == 1 and first["status"] == {}
 
 
 def test_state_reads_a_hand_edited_status_without_crashing() -> None:
-    s = reconcile.ServiceState.from_status(
+    s = ServiceState.from_status(
         {
             "servingFlags": {"kvCacheMemoryBytes": -1},
             "handledTerminations": "not a list",
@@ -269,11 +270,11 @@ def test_pods_of_a_long_named_service_are_found_under_the_index_key(name: str) -
     """Before: render truncated the pod label while the loop looked pods up by the full name,
     so a service named over 63 characters never saw its pods."""
     body = reconcile.step(
-        reconcile.ServiceState(),
-        reconcile.World(name=name, namespace="ns", uid="u", generation=1, spec=SPEC, now=T0, new_id="r"),
+        ServiceState(),
+        World(name=name, namespace="ns", uid="u", generation=1, spec=SPEC, now=T0, new_id="r"),
         SETTINGS,
     )
-    [apply] = [e for e in body.effects if isinstance(e, reconcile.ApplyDeployment)]
+    [apply] = [e for e in body.effects if isinstance(e, ApplyDeployment)]
     pod_labels = apply.body["spec"]["template"]["metadata"]["labels"]
     assert pod_labels["rankguard.io/llmservice"] == label_value(name)
     assert len(label_value(name)) <= 63

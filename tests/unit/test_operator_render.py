@@ -16,7 +16,8 @@ from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTA
 from rankguard_operator.core.owned_flags import owned_spellings
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
-from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.spec import ServiceSpec, parse_spec
+from rankguard_operator.core.spec_fields import SpecError
 from rankguard_operator.core.units import GiB
 
 BASE: dict[str, Any] = {

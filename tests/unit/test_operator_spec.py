@@ -11,18 +11,17 @@ import yaml
 
 from rankguard_operator.core.spec import (
     BLOCK_SIZES,
-    DEFAULT_AGENT_PORT,
     DEFAULT_COOLDOWN_SECONDS,
     DEFAULT_HOST_MEMORY_BUMP_RATIO,
     DEFAULT_MAX_PER_HOUR,
     DEFAULT_MIN_HEADROOM_BYTES,
-    DEFAULT_SAMPLE_HZ,
     DTYPES,
     KV_CACHE_DTYPES,
-    SpecError,
     parse_spec,
     resolve_shape,
 )
+from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec_pod import DEFAULT_AGENT_PORT, DEFAULT_SAMPLE_HZ
 from rankguard_operator.core.units import GiB, MiB
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "llmservice.yaml"

@@ -7,11 +7,13 @@ from typing import Any
 import pytest
 
 from rankguard_operator.core.budget import initial_plan as budget_plan
+from rankguard_operator.core.conditions import phase_for, set_condition
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.headroom import Observation, RankHeadroom
 from rankguard_operator.core.history import Remediation, history_from_status
+from rankguard_operator.core.kv_model import capacity_for_budget
 from rankguard_operator.core.observe import RolloutState, Termination
-from rankguard_operator.core.planner import Plan, RankMeasurement, capacity_for_budget
+from rankguard_operator.core.planner import Plan, RankMeasurement
 from rankguard_operator.core.policy import Decision, PolicyInput, decide
 from rankguard_operator.core.spec import parse_spec
 from rankguard_operator.core.status import (
@@ -20,9 +22,7 @@ from rankguard_operator.core.status import (
     budget_status,
     build_status,
     last_known_good_status,
-    phase_for,
     rank_rows,
-    set_condition,
     status_patch,
     summary_fields,
 )

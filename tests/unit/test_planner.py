@@ -12,23 +12,25 @@ from dataclasses import replace
 
 import pytest
 
-from rankguard_operator.core.models import CATALOG, ModelShape, resolve_model
-from rankguard_operator.core.planner import (
+from rankguard_operator.core.catalog import CATALOG
+from rankguard_operator.core.kv_model import (
+    capacity_for_budget,
+    kv_bytes_per_token,
+    min_budget_for_one_request,
+)
+from rankguard_operator.core.memory_model import (
     CONTEXT_PRIOR_BYTES,
     CUDAGRAPH_PRIOR_BYTES,
     PP_TERMINAL_COMM_PRIOR_BYTES,
     PlanError,
-    PlanInput,
-    RankMeasurement,
-    capacity_for_budget,
     context_prior_bytes,
-    kv_bytes_per_token,
     logits_bytes,
-    make_plan,
-    min_budget_for_one_request,
     pp_layer_partition,
     weight_bytes,
 )
+from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.planner import PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB, MiB
 
 L3_70B = CATALOG["llama-3-70b"]

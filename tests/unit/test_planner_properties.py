@@ -9,17 +9,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rankguard_operator.core.catalog import CATALOG
-from rankguard_operator.core.kv_model import stage_kv_layout, stage_range
-from rankguard_operator.core.models import ModelShape
-from rankguard_operator.core.planner import (
-    Plan,
-    PlanInput,
-    RankMeasurement,
-    activation_bytes,
-    kv_bytes_per_token,
-    make_plan,
-    weight_bytes,
-)
+from rankguard_operator.core.kv_model import kv_bytes_per_token, stage_kv_layout, stage_range
+from rankguard_operator.core.memory_model import activation_bytes, weight_bytes
+from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB
 
 TPS = (1, 2, 4, 8, 16, 32, 64)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
 from rankguard_sim import gpus
 from rankguard_sim.fake_vllm import PEAK_HOLD_ENV, TIME_SCALE_ENV
 from rankguard_sim.hf_download import checkpoint
@@ -71,7 +72,7 @@ class Pod:
             "HOME": str(self.tmp_path / "home"),
             "HF_HOME": str(hf_home),
             gpus.GPU_ROOT_ENV: str(self.root),
-            gpus.VISIBLE_DEVICES_ENV: ",".join(self.uuids),
+            VISIBLE_DEVICES_ENV: ",".join(self.uuids),
             SCENARIO_ENV: str(self.scenario),
             TIME_SCALE_ENV: str(TIME_SCALE),
             PEAK_HOLD_ENV: "0.05",

@@ -32,27 +32,9 @@ from rankguard_agent.gpu.simfiles import (
     scan_procs,
     used_and_free,
     visible_uuids,
-    write_device,
     write_proc,
 )
 from rankguard_agent.gpu.visible import apply_cuda_visible
-
-__all__ = [
-    "COMM_TAG",
-    "SimBackend",
-    "SimDevice",
-    "SimProc",
-    "parse_device",
-    "pid_alive",
-    "proc_path",
-    "read_device",
-    "release_communicators",
-    "remove_proc",
-    "scan_procs",
-    "sim_uuids",
-    "write_device",
-    "write_proc",
-]
 
 # The allocation tag of a communicator held by `communicator_init` (the probe's ranks).
 COMM_TAG = "probe"

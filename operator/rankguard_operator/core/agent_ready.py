@@ -24,13 +24,13 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from rankguard_operator.core import observe
 from rankguard_operator.core.conditions import Condition
+from rankguard_operator.core.units import parse_iso
 
 CONDITION = Condition.AGENT_READY
 REPORTING, UNAVAILABLE, NO_PODS, WAITING = "Reporting", "AgentUnavailable", "NoReadyPods", "WaitingForReports"
@@ -63,21 +63,11 @@ def clean_agent_error(value: Any) -> str | None:
     return text if len(text) <= AGENT_ERROR_CHARS else text[: AGENT_ERROR_CHARS - 1] + "…"
 
 
-def _epoch(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        ts = datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ")
-    except ValueError:
-        return None
-    return ts.replace(tzinfo=datetime.timezone.utc).timestamp()
-
-
 def ready_since(pod: Mapping[str, Any]) -> float | None:
     """When the pod's Ready condition last turned True (its lastTransitionTime), if it says."""
     for c in (pod.get("status") or {}).get("conditions") or []:
         if isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True":
-            return _epoch(c.get("lastTransitionTime"))
+            return parse_iso(c.get("lastTransitionTime"))
     return None
 
 

@@ -21,17 +21,12 @@ from typing import Any
 from rankguard_operator.core.checkpoint_weights import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.headroom import Observation, gpu_totals
 from rankguard_operator.core.kv_model import default_block_size
-from rankguard_operator.core.memory_model import act_bytes, pp_layer_partition
+from rankguard_operator.core.memory_model import PlanError, act_bytes, pp_layer_partition
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.model_source import ModelResolution
-from rankguard_operator.core.planner import (
-    Plan,
-    PlanError,
-    PlanInput,
-    RankMeasurement,
-    make_plan,
-)
-from rankguard_operator.core.spec import ServiceSpec, SpecError, resolve_shape
+from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
+from rankguard_operator.core.spec import ServiceSpec, resolve_shape
+from rankguard_operator.core.spec_fields import SpecError
 from rankguard_operator.core.units import MiB
 
 # With no plan to say how big a KV block is, budgets are rounded to whole MiB.

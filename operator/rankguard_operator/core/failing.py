@@ -24,10 +24,11 @@ from rankguard_operator.core.conditions import Condition, condition
 from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes
 from rankguard_operator.core.kv_model import default_block_size, resolve_max_model_len, stage_layouts
+from rankguard_operator.core.memory_model import PlanError
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.model_source import ModelResolution
-from rankguard_operator.core.planner import PlanError
-from rankguard_operator.core.spec import ServiceSpec, SpecError
+from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec_fields import SpecError
 from rankguard_operator.core.units import format_bytes
 
 # --------------------------------------------------------------------------------------------

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.flags import ServingFlags
-from rankguard_operator.core.observe import format_time, parse_time
-from rankguard_operator.core.units import QuantityError, format_quantity, parse_bytes
+from rankguard_operator.core.units import QuantityError, format_quantity, iso, parse_bytes, parse_iso
 
 # Decision actions -> the CRD's action names.
 STATUS_ACTIONS: dict[str, str] = {
@@ -56,7 +55,7 @@ class Remediation:
         budget, a quantity for the memory limit, `util=0.92` for a utilisation), and
         fromFlags/toFlags keep the whole flags when the schema preserves them."""
         doc: dict[str, Any] = {
-            "time": format_time(self.time),
+            "time": iso(self.time),
             "trigger": self.trigger,
             "action": STATUS_ACTIONS.get(self.action, self.action),
             "message": self.message[:1024],
@@ -86,7 +85,7 @@ class Remediation:
         """Read a history item back (None when it is unreadable: status may be hand-edited)."""
         if not isinstance(doc, Mapping):
             return None
-        t = parse_time(doc.get("time"))
+        t = parse_iso(doc.get("time"))
         if t is None:
             return None
         action = _FROM_STATUS_ACTIONS.get(str(doc.get("action")), str(doc.get("action") or ""))

@@ -20,29 +20,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from rankguard_operator.core.catalog import CATALOG, catalog_key, lookup_catalog
+from rankguard_operator.core.catalog import CATALOG, lookup_catalog
 from rankguard_operator.core.hf_config import shape_from_hf_config
 from rankguard_operator.core.model_shape import (
     InvalidShapeError,
-    ModelError,
     ModelShape,
     UnknownModelError,
 )
-
-__all__ = [
-    "CATALOG",
-    "REQUIRED_OVERRIDE_KEYS",
-    "SHAPE_OVERRIDE_KEYS",
-    "InvalidShapeError",
-    "ModelError",
-    "ModelShape",
-    "UnknownModelError",
-    "catalog_key",
-    "lookup_catalog",
-    "resolve_model",
-    "shape_from_hf_config",
-]
-
 
 # ---------------------------------------------------------------------------------------------
 # Overrides (CRD spec.model.shape / CLI --shape): camelCase key -> ModelShape field

@@ -26,6 +26,9 @@ VLLM_CONTAINER = "vllm"
 AGENT_INIT_CONTAINER = "rankguard-agent-install"
 AGENT_VOLUME = "rankguard-agent"
 AGENT_MOUNT_PATH = "/opt/rankguard/agent"
+# The agent image the init container copies the bundle from, unless the operator is told
+# another (RANKGUARD_AGENT_IMAGE, the chart's agent.image) or the spec names one.
+DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
 # The agent bundle's stdlib-only entry: run by path, so no PYTHONPATH leaks into vLLM, and it
 # starts vLLM anyway when the agent itself cannot start.
 AGENT_ENTRY = f"{AGENT_MOUNT_PATH}/rankguard-agent"

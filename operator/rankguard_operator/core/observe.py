@@ -1,7 +1,7 @@
 """Pure extraction from API objects: container terminations, pod readiness, rollout progress.
 
 Input is what the API server returns (camelCase dicts, as kopf hands them over); output is
-small frozen dataclasses the policy reads. Also the RFC 3339 time helpers the status uses.
+small frozen dataclasses the policy reads.
 
 How a termination is identified: the kubelet reports the run that just ended first in
 `state.terminated` (restartCount N) and, once the container restarted, in
@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Literal
 
 from rankguard_agent import termination as tm
 from rankguard_agent.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, VLLM_CONTAINER
+from rankguard_operator.core.units import parse_iso
 
 TerminationKind = Literal["CUDAOutOfMemory", "KVCacheTooSmall", "OOMKilled", "EngineError", "Other"]
 CUDA_OOM: TerminationKind = "CUDAOutOfMemory"
@@ -37,28 +37,6 @@ MEMORY_KINDS: tuple[str, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED)
 # scale-down stopping the pod, never an engine failure.
 _STOP_EXIT_CODES = (130, 143)
 _MAX_MESSAGE = 1024
-
-
-# --------------------------------------------------------------------------------------------
-# Time
-
-
-def parse_time(text: Any) -> float | None:
-    """RFC 3339 (`2026-11-29T21:46:00Z`, as the API writes times) -> epoch seconds, or None."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
-
-
-def format_time(ts: float) -> str:
-    """Epoch seconds -> RFC 3339 in UTC with a Z, whole seconds (the API's metav1.Time form)."""
-    return datetime.fromtimestamp(int(ts), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +193,7 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
         info["message"] = info.get("message") or "container OOMKilled (host memory limit)"
     info["reason"] = reason
     info["exit_code"] = code
-    info["finished_at"] = parse_time(terminated.get("finishedAt"))
+    info["finished_at"] = parse_iso(terminated.get("finishedAt"))
     info["message"] = str(info.get("message") or "")[:_MAX_MESSAGE]
     return info
 

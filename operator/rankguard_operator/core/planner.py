@@ -49,19 +49,14 @@ from typing import Any
 
 from rankguard_operator.core.kv_layout import KVLayout
 from rankguard_operator.core.kv_model import (
-    capacity_for_budget,
     capacity_of,
-    kv_bytes_per_token,
     layer_kv,
-    min_budget_for_one_request,
     resolve_max_model_len,
     stage_kv_layout,
     stage_layers,
     stage_range,
 )
 from rankguard_operator.core.memory_model import (
-    ACTIVATION_OVERHEAD_FACTOR,
-    CONTEXT_PRIOR_BYTES,
     CUDAGRAPH_PRIOR_BYTES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -69,8 +64,6 @@ from rankguard_operator.core.memory_model import (
     DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_BYTES_PER_VALUE,
     LOGITS_MODES,
-    NCCL_PRIOR_BYTES,
-    PP_TERMINAL_COMM_PRIOR_BYTES,
     SAMPLER_FP32_COPIES,
     Capacity,
     LogitsMode,
@@ -81,44 +74,11 @@ from rankguard_operator.core.memory_model import (
     context_prior_bytes,
     kv_dtype_bytes,
     logits_bytes,
-    pp_layer_partition,
     weight_bits,
     weight_bytes,
 )
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.units import format_bytes
-
-# The planner's public face: its own types and functions, and the memory model's pieces that
-# callers have always imported from here.
-__all__ = [
-    "ACTIVATION_OVERHEAD_FACTOR",
-    "CONTEXT_PRIOR_BYTES",
-    "CUDAGRAPH_PRIOR_BYTES",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
-    "DEFAULT_MAX_NUM_SEQS",
-    "DEFAULT_SAFETY_MARGIN_BYTES",
-    "LOGITS_MODES",
-    "NCCL_PRIOR_BYTES",
-    "PP_TERMINAL_COMM_PRIOR_BYTES",
-    "Capacity",
-    "LogitsMode",
-    "Plan",
-    "PlanError",
-    "PlanInput",
-    "RankMeasurement",
-    "RankPlan",
-    "activation_bytes",
-    "capacity_for_budget",
-    "context_prior_bytes",
-    "kv_bytes_per_token",
-    "kv_dtype_bytes",
-    "logits_bytes",
-    "make_plan",
-    "min_budget_for_one_request",
-    "pp_layer_partition",
-    "weight_bytes",
-]
 
 # --------------------------------------------------------------------------------------------
 # Data

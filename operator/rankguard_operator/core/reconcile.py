@@ -32,11 +32,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rankguard_operator.core import blockers, model_source, observe, pod_world, policy, render, status
-from rankguard_operator.core.agent_ready import AgentMiss
 from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
-    ApplyClaim,
     ApplyDeployment,
     ApplyService,
     Effect,
@@ -53,48 +51,20 @@ from rankguard_operator.core.history import history_from_status
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.spec import ServiceSpec, parse_spec
+from rankguard_operator.core.spec_fields import SpecError
 from rankguard_operator.core.step_io import (
     ReportInput,
     Settings,
     Step,
     World,
     after_apply,
-    iso,
-    iso_or_none,
     merge_keys,
     merged_status,
     remediation_id_of,
     same_template,
-    scrape_targets,
-    with_intent,
 )
-
-# What callers use through this module (the step's inputs, outputs and effects).
-__all__ = [
-    "AgentMiss",
-    "ApplyClaim",
-    "ApplyDeployment",
-    "ApplyService",
-    "Effect",
-    "PendingRemediation",
-    "PostEvent",
-    "ReportInput",
-    "ServiceState",
-    "Settings",
-    "Step",
-    "World",
-    "WriteIntent",
-    "WriteStatus",
-    "after_apply",
-    "invalid_spec",
-    "iso",
-    "merge_keys",
-    "remediation_id_of",
-    "scrape_targets",
-    "step",
-    "with_intent",
-]
+from rankguard_operator.core.units import iso, iso_or_none
 
 # --------------------------------------------------------------------------------------------
 # The step

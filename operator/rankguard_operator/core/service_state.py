@@ -15,7 +15,7 @@ from typing import Any
 from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model_source import LearnedModel
-from rankguard_operator.core.observe import parse_time
+from rankguard_operator.core.units import parse_iso
 
 
 def _since(v: Any) -> float | None:
@@ -23,7 +23,7 @@ def _since(v: Any) -> float | None:
     wrote (read once, then written back as RFC 3339)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
-    return parse_time(v)
+    return parse_iso(v)
 
 
 @dataclass(frozen=True)

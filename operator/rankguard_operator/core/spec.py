@@ -21,20 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.engine_rules import rules_for_image
-from rankguard_operator.core.models import (
-    SHAPE_OVERRIDE_KEYS,
-    ModelError,
-    ModelShape,
-    UnknownModelError,
-    resolve_model,
-)
-from rankguard_operator.core.owned_flags import check_extra_args
-from rankguard_operator.core.planner import (
+from rankguard_operator.core.memory_model import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_MODES,
 )
+from rankguard_operator.core.model_shape import ModelError, ModelShape, UnknownModelError
+from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, resolve_model
+from rankguard_operator.core.owned_flags import check_extra_args
 from rankguard_operator.core.pod_template import PodTemplate, parse_template
 from rankguard_operator.core.quantization import RUNTIME_QUANTIZATION
 from rankguard_operator.core.spec_fields import (
@@ -49,9 +44,6 @@ from rankguard_operator.core.spec_fields import (
     str_field,
 )
 from rankguard_operator.core.spec_pod import (
-    DEFAULT_AGENT_PORT,
-    DEFAULT_CACHE_MOUNT,
-    DEFAULT_SAMPLE_HZ,
     AgentSpec,
     ModelCacheSpec,
     ResourcesSpec,
@@ -60,25 +52,6 @@ from rankguard_operator.core.spec_pod import (
     parse_resources,
 )
 from rankguard_operator.core.units import MiB
-
-__all__ = [
-    "DEFAULT_AGENT_PORT",
-    "DEFAULT_CACHE_MOUNT",
-    "DEFAULT_SAMPLE_HZ",
-    "AgentSpec",
-    "EngineSpec",
-    "MemorySpec",
-    "ModelCacheSpec",
-    "ModelSpec",
-    "PodTemplate",
-    "RemediationSpec",
-    "ResourcesSpec",
-    "ServiceSpec",
-    "SpecError",
-    "check_split",
-    "parse_spec",
-    "resolve_shape",
-]
 
 # The CRD's defaults and enums (crds/llmservice.yaml); keep them in step with it.
 DEFAULT_MIN_HEADROOM_BYTES = 256 * MiB

@@ -8,7 +8,6 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,8 @@ from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model_source import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.spec import ServiceSpec, SpecError, parse_spec
+from rankguard_operator.core.spec import ServiceSpec, parse_spec
+from rankguard_operator.core.spec_fields import SpecError
 
 HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
 
@@ -77,15 +77,6 @@ class Step:
 
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-def iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def iso_or_none(ts: float | None) -> str | None:
-    """A clock kept in status (None: not running), RFC 3339 as Kubernetes writes times."""
-    return None if ts is None else iso(ts)
 
 
 def merge_keys(keys: Sequence[str], more: Sequence[str]) -> tuple[str, ...]:

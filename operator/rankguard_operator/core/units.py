@@ -1,4 +1,5 @@
-"""Byte quantities: parse what people type, print what printer columns show.
+"""Byte quantities and times: parse what people and the API write, print what printer columns
+and status show.
 
 Parsing accepts plain integers, decimal/scientific numbers ("1.5e9"), Kubernetes quantity
 suffixes ("80Gi", "512Mi", "80G", "500k") and the spellings people use for GPU memory
@@ -10,6 +11,9 @@ does, so a parsed limit is never smaller than what was written.
 Formatting uses Kubernetes-style binary suffixes with at most one decimal (`1.4Gi`,
 `512Mi`, `80Gi`) because that is what `kubectl get` columns and `kubectl top` show.
 
+Times are RFC 3339 in UTC with a Z and whole seconds, as the API server writes metav1.Time
+(`iso`); `parse_iso` reads that and any RFC 3339 offset back into epoch seconds.
+
 Pure functions, no I/O.
 """
 
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import datetime, timezone
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from typing import Any
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -132,3 +138,30 @@ def format_quantity(n: int) -> str:
         if n % (KiB**exp) == 0:
             return f"{n // KiB**exp}{_FORMAT_UNITS[exp - 1]}"
     return str(n)
+
+
+# --------------------------------------------------------------------------------------------
+# Times
+
+
+def iso(ts: float) -> str:
+    """Epoch seconds -> RFC 3339 in UTC with a Z, whole seconds (the API's metav1.Time form)."""
+    return datetime.fromtimestamp(int(ts), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def iso_or_none(ts: float | None) -> str | None:
+    """A clock kept in status (None: not running), RFC 3339 as Kubernetes writes times."""
+    return None if ts is None else iso(ts)
+
+
+def parse_iso(text: Any) -> float | None:
+    """RFC 3339 (`2026-11-29T21:46:00Z`, as the API writes times) -> epoch seconds, or None."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()

@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from rankguard_operator.core.reconcile import Settings
+from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE
+from rankguard_operator.core.step_io import Settings
 
-DEFAULT_AGENT_IMAGE = "ghcr.io/rankguard/agent:0.1.0"
 DEFAULT_LEASE_NAME = "rankguard-operator"
 LOG_LEVELS = {
     "debug": logging.DEBUG,

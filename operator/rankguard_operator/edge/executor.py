@@ -30,11 +30,22 @@ import kopf
 
 from rankguard_operator.core import ownership, pod_world, reconcile, service_figures
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.effects import (
+    ApplyClaim,
+    ApplyDeployment,
+    ApplyService,
+    PostEvent,
+    WriteIntent,
+    WriteStatus,
+)
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import Termination
+from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.status import status_patch
+from rankguard_operator.core.step_io import Settings, Step, World, scrape_targets, with_intent
+from rankguard_operator.core.units import iso
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import (
     AGENTS_UNAVAILABLE,
@@ -78,14 +89,14 @@ class Seen:
 class ServiceExecutor:
     """One per LLMService, kept in kopf's per-object memo across daemon restarts."""
 
-    def __init__(self, name: str, namespace: str, settings: reconcile.Settings) -> None:
+    def __init__(self, name: str, namespace: str, settings: Settings) -> None:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
         self.nodes = NODE_LABELS
         self.claims = KeptRead(lambda n: k8s.get_claim(namespace, n), claim_bound)
         self.configs = KeptRead(lambda n: k8s.get_configmap(namespace, n), exists)
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
-        self._written: tuple[str, reconcile.ServiceState] | None = None  # (rv of our write, state)
+        self._written: tuple[str, ServiceState] | None = None  # (rv of our write, state)
         self._applied: tuple[float, dict[str, Any]] | None = None  # (when, our last applied Deployment)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
@@ -133,15 +144,15 @@ class ServiceExecutor:
     def _failed(self, kind: str) -> None:
         RECONCILE_ERRORS.labels(namespace=self.namespace, llmservice=self.name, kind=kind).inc()
 
-    def _state(self, body: Mapping[str, Any]) -> reconcile.ServiceState:
+    def _state(self, body: Mapping[str, Any]) -> ServiceState:
         rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
         if self._written is not None:
             if _older(rv, self._written[0]):
                 return self._written[1]  # kopf has not delivered our own last write yet
             self._written = None  # caught up: the body says the same (and holds it once)
-        return reconcile.ServiceState.from_status(body.get("status"))
+        return ServiceState.from_status(body.get("status"))
 
-    def _remember(self, rv: str | None, state: reconcile.ServiceState) -> None:
+    def _remember(self, rv: str | None, state: ServiceState) -> None:
         if rv is not None:
             self._written = (rv, state)
 
@@ -197,9 +208,9 @@ class ServiceExecutor:
         model_config = await self._model_config(spec, generation)
         reads = pod_world.reads(spec, self.name, pods)
         claim = await self.claims.get(reads.claim, generation) if reads.claim else None
-        targets = [Target(*t) for t in reconcile.scrape_targets(spec, deployment, pods)]
+        targets = [Target(*t) for t in scrape_targets(spec, deployment, pods)]
         scraped = await self.scraper.scrape(targets)
-        world = reconcile.World(
+        world = World(
             name=self.name,
             namespace=self.namespace,
             uid=uid,
@@ -248,7 +259,7 @@ class ServiceExecutor:
         self._published(state, step)
         return step.phase
 
-    def _published(self, before: reconcile.ServiceState, step: reconcile.Step) -> None:
+    def _published(self, before: ServiceState, step: Step) -> None:
         """The service's gauges from the status just written, and one log line when its phase
         changed (a warning when it became Degraded or Failed)."""
         SERVICE_GAUGES.set(self.namespace, self.name, service_figures.figures(step.state.raw, step.spec))
@@ -286,31 +297,29 @@ class ServiceExecutor:
         name, key = ref["name"], str(ref.get("key") or "config.json")
         return config_from_configmap(await self.configs.get(name, generation), name, key)
 
-    async def execute(
-        self, body: Mapping[str, Any], state: reconcile.ServiceState, step: reconcile.Step
-    ) -> None:
+    async def execute(self, body: Mapping[str, Any], state: ServiceState, step: Step) -> None:
         """Carry out the step's effects in order; the first failure stops the rest (the next
         step starts from what was persisted)."""
         for effect in step.effects:
-            if isinstance(effect, reconcile.WriteIntent):
+            if isinstance(effect, WriteIntent):
                 rv = await k8s.patch_status(
                     self.namespace, self.name, {"pendingRemediation": dict(effect.pending)}
                 )
-                self._remember(rv, reconcile.with_intent(state, effect.pending))
-            elif isinstance(effect, reconcile.ApplyDeployment):
+                self._remember(rv, with_intent(state, effect.pending))
+            elif isinstance(effect, ApplyDeployment):
                 self._applied = (time.monotonic(), await k8s.apply(effect.body))
                 if effect.remediation_id is not None:
                     action = STATUS_ACTIONS.get(str(effect.action), str(effect.action))
                     REMEDIATIONS.labels(self.namespace, self.name, action, str(effect.trigger)).inc()
-            elif isinstance(effect, (reconcile.ApplyService, reconcile.ApplyClaim)):
+            elif isinstance(effect, (ApplyService, ApplyClaim)):
                 await k8s.apply(effect.body)
-            elif isinstance(effect, reconcile.PostEvent):
+            elif isinstance(effect, PostEvent):
                 await self._event(body, effect)
-            elif isinstance(effect, reconcile.WriteStatus):
+            elif isinstance(effect, WriteStatus):
                 rv = await k8s.patch_status(self.namespace, self.name, effect.patch)
                 self._remember(rv, step.state)
 
-    async def _event(self, body: Mapping[str, Any], e: reconcile.PostEvent) -> None:
+    async def _event(self, body: Mapping[str, Any], e: PostEvent) -> None:
         now = time.monotonic()
         if e.repeat:
             last = self._posted.get(e.reason)
@@ -322,8 +331,8 @@ class ServiceExecutor:
     async def _refused_apply(
         self,
         body: Mapping[str, Any],
-        state: reconcile.ServiceState,
-        world: reconcile.World,
+        state: ServiceState,
+        world: World,
         err: k8s.ApplyRefused,
     ) -> None:
         """The API server refused what we rendered: retrying the same object cannot help. Say so
@@ -336,7 +345,7 @@ class ServiceExecutor:
         if self._refused != message:
             self._refused = message
             log.warning("LLMService %s/%s: %s", self.namespace, self.name, message)
-        when = reconcile.iso(world.now)
+        when = iso(world.now)
         conditions = set_condition(
             list(state.raw.get("conditions") or []),
             Condition.DEGRADED,
@@ -349,7 +358,7 @@ class ServiceExecutor:
         patch = status_patch(state.raw, {"conditions": conditions, "phase": Phase.DEGRADED.value})
         if patch is not None:
             await k8s.patch_status(self.namespace, self.name, patch)
-        await self._event(body, reconcile.PostEvent("Warning", "ApplyRefused", message, repeat=True))
+        await self._event(body, PostEvent("Warning", "ApplyRefused", message, repeat=True))
 
 
 def _older(rv: str, than: str) -> bool:
