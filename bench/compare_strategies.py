@@ -67,7 +67,7 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS

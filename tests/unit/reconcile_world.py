@@ -22,7 +22,7 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
     TEMPLATE_HASH_ANNOTATION,

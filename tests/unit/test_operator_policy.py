@@ -28,7 +28,7 @@ from rankguard_operator.core.budget import (
     round_down,
     utilization_kv_bytes,
 )
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation, RankHeadroom
 from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe import RolloutState, Termination

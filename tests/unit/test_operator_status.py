@@ -8,7 +8,7 @@ import pytest
 
 from rankguard_operator.core.budget import initial_plan as budget_plan
 from rankguard_operator.core.conditions import phase_for, set_condition
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation, RankHeadroom
 from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.kv_model import capacity_for_budget

@@ -15,13 +15,18 @@ import yaml
 
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.budget import prior_plan
-from rankguard_operator.core.engine_rules import image_version, rules_for, rules_for_image
-from rankguard_operator.core.flags import ServingFlags
-from rankguard_operator.core.owned_flags import OWNED, check_extra_args, conflicting_flags, owned_spellings
+from rankguard_operator.core.engine.owned_flags import (
+    OWNED,
+    check_extra_args,
+    conflicting_flags,
+    owned_spellings,
+)
+from rankguard_operator.core.engine.rules import image_version, rules_for, rules_for_image
+from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.engine.vllm_cli import convert
 from rankguard_operator.core.render import vllm_args
 from rankguard_operator.core.spec import parse_spec
 from rankguard_operator.core.spec_fields import SpecError
-from rankguard_operator.core.vllm_cli import convert
 
 CLI = rules_for("0.33.0").cli
 

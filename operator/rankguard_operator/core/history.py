@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.units import QuantityError, format_quantity, iso, parse_bytes, parse_iso
 
 # Decision actions -> the CRD's action names.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rankguard_operator.core.checkpoint_weights import CheckpointError, parse_summary, summary_json
-from rankguard_operator.core.engine_rules import rules_for_image
+from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.hf_config import canonical_json, relevant_config
 from rankguard_operator.core.model_shape import InvalidShapeError, ModelShape, UnknownModelError
 from rankguard_operator.core.models import resolve_model

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
+
 
 class UnknownQuantization(ValueError):
     """A quantisation format (or its parameters) rankguard cannot size."""
@@ -218,9 +220,6 @@ def _compressed_tensors(q: Mapping[str, Any], kept: tuple[str, ...]) -> QuantSch
     return QuantScheme(
         method, bits, group_size=group, scale_bytes=scale, zero_bytes=zero, ignore=kept, only=patterns
     )
-
-
-RUNTIME_QUANTIZATION = ("fp8",)
 
 
 def runtime_scheme(method: str) -> QuantScheme:

@@ -42,9 +42,9 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.failing import check_budget_fits, degraded_event, gpu_size, said_before
-from rankguard_operator.core.flags import ServingFlags
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.history import history_from_status

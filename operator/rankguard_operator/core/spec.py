@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankguard_operator.core.engine_rules import rules_for_image
+from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION, check_extra_args
+from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.memory_model import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -29,9 +30,7 @@ from rankguard_operator.core.memory_model import (
 )
 from rankguard_operator.core.model_shape import ModelError, ModelShape, UnknownModelError
 from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, resolve_model
-from rankguard_operator.core.owned_flags import check_extra_args
 from rankguard_operator.core.pod_template import PodTemplate, parse_template
-from rankguard_operator.core.quantization import RUNTIME_QUANTIZATION
 from rankguard_operator.core.spec_fields import (
     SpecError,
     bool_field,

@@ -15,7 +15,7 @@ from typing import Any
 
 from rankguard_operator.core.budget import equivalent_utilization, is_measured, utilization_kv_bytes
 from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.observe import RolloutState

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankguard_operator.core.budget import block_unit, kv_floor, round_down, utilization_kv_bytes
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.planner import Plan

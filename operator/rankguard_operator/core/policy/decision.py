@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe import OOM_KILLED, RolloutState, Termination

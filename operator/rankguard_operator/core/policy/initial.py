@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankguard_operator.core.budget import block_unit, is_measured, kv_floor, round_down
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy.budget_change import floor_reason
 from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision
 from rankguard_operator.core.policy.tunables import DEFAULT_START_UTILIZATION, KNOBS, T_FLOOR, T_SPEC_CHANGED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rankguard_operator.core.flags import ServingFlags
+from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.observe import (
     CUDA_OOM,

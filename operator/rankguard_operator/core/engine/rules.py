@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from rankguard_operator import vllm_snapshots
-from rankguard_operator.core.vllm_cli import VllmCli
+from rankguard_operator.core.engine.vllm_cli import VllmCli
 
 # `vllm/vllm-openai:v0.33.0`, `registry:5000/x/vllm:0.33.0-cu129`; a digest-only reference has no tag
 _TAG = re.compile(r":([^:/@]+)(?:@.*)?$")

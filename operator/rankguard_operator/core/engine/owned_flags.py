@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rankguard_operator.core.engine.vllm_cli import VllmCli
 from rankguard_operator.core.names import VLLM_HTTP_PORT
-from rankguard_operator.core.vllm_cli import VllmCli
+
+# The `--quantization` methods rankguard renders from spec.model.quantization on an unquantised
+# checkpoint: the ones whose weight sizes the planner models (core/quantization.runtime_scheme).
+RUNTIME_QUANTIZATION = ("fp8",)
 
 # vLLM dest -> the spec field to use instead (None: not user-settable at all).
 OWNED: dict[str, str | None] = {
