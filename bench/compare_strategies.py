@@ -73,7 +73,7 @@ from rankguard_operator.core.observe import carried_template_hash, deployment_te
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import ReportInput, Settings, World, after_apply, scrape_targets
 from rankguard_operator.core.units import iso
 from rankguard_sim.engine_config import EngineConfig

@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from rankguard_operator.core.pod_template import POD_FIELDS
+from rankguard_operator.core.spec.template import POD_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "llmservice.yaml"

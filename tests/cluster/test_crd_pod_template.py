@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.core.spec import parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster

@@ -41,7 +41,7 @@ from rankguard_operator.core import render
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.edge import k8s
 from rankguard_sim.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.names import cache_claim_name
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import MiB
 from rankguard_sim.cluster import free_port
 from rankguard_sim.waiting import wait_for

@@ -29,7 +29,7 @@ from rankguard_operator.core import render
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION, REMEDIATION_ID_ANNOTATION
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import parse_bytes
 from rankguard_operator.edge import k8s
 from rankguard_sim.cluster import free_port

@@ -11,7 +11,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.kv_model import min_budget_for_one_request
-from rankguard_operator.core.spec import parse_spec, resolve_shape
+from rankguard_operator.core.spec.parse import parse_spec, resolve_shape
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.kubelet import wait_for_pids_gone
 

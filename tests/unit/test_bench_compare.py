@@ -28,7 +28,7 @@ from rankguard_operator.core.observe import (
     terminations,
 )
 from rankguard_operator.core.render import render_deployment, vllm_args
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import scrape_targets
 from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
 from rankguard_sim.scenario_data import GIB, Scenario

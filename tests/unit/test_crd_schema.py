@@ -13,16 +13,17 @@ import pytest
 import yaml
 
 from rankguard_operator.core.budget import prior_plan
-from rankguard_operator.core.memory_model import (
+from rankguard_operator.core.memory_model import kv_dtype_bytes
+from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS
+from rankguard_operator.core.planner import PlanInput
+from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_MODES,
-    kv_dtype_bytes,
+    SHAPE_OVERRIDE_KEYS,
 )
-from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, SHAPE_OVERRIDE_KEYS
-from rankguard_operator.core.planner import PlanInput
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "llmservice.yaml").read_text())

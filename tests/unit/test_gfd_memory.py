@@ -29,7 +29,7 @@ from rankguard_operator.core.gpu_labels import (
 )
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.pod_world import reads
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.edge import k8s

@@ -23,8 +23,8 @@ from rankguard_operator.core.model_source import (
     model_event,
     resolve,
 )
-from rankguard_operator.core.spec import parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 from rankguard_sim.hf_download import checkpoint_files
 

@@ -26,8 +26,8 @@ from rankguard_operator.core import reconcile
 from rankguard_operator.core.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.effects import ApplyDeployment, Effect, PostEvent, WriteStatus
-from rankguard_operator.core.spec import parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step
 from rankguard_operator.core.units import GiB, MiB, TiB, parse_iso
 

@@ -41,8 +41,8 @@ from rankguard_operator.core.policy import (
     track_ample_headroom,
     track_low_headroom,
 )
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.units import GiB, MiB
 
 DOC: dict[str, Any] = {

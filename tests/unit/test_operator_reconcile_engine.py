@@ -18,7 +18,7 @@ from reconcile_world import (
 
 from rankguard_agent import termination as tm
 from rankguard_agent.report import Report
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 
 

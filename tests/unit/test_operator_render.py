@@ -16,8 +16,8 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.units import GiB
 
 BASE: dict[str, Any] = {

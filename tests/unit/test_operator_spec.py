@@ -9,19 +9,19 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.core.spec import (
+from rankguard_operator.core.spec.crd import (
     BLOCK_SIZES,
+    DEFAULT_AGENT_PORT,
     DEFAULT_COOLDOWN_SECONDS,
     DEFAULT_HOST_MEMORY_BUMP_RATIO,
     DEFAULT_MAX_PER_HOUR,
     DEFAULT_MIN_HEADROOM_BYTES,
+    DEFAULT_SAMPLE_HZ,
     DTYPES,
     KV_CACHE_DTYPES,
-    parse_spec,
-    resolve_shape,
 )
-from rankguard_operator.core.spec_fields import SpecError
-from rankguard_operator.core.spec_pod import DEFAULT_AGENT_PORT, DEFAULT_SAMPLE_HZ
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec, resolve_shape
 from rankguard_operator.core.units import GiB, MiB
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "llmservice.yaml"

@@ -15,7 +15,7 @@ from rankguard_operator.core.kv_model import capacity_for_budget
 from rankguard_operator.core.observe import RolloutState, Termination
 from rankguard_operator.core.planner import Plan, RankMeasurement
 from rankguard_operator.core.policy import Decision, PolicyInput, decide
-from rankguard_operator.core.spec import parse_spec
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status import (
     append_history,
     budget_source,

@@ -16,8 +16,8 @@ from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import TEMPLATE_HASH_ANNOTATION, labels
 from rankguard_operator.core.render import render_cache_claim, render_deployment, served_argv
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 
 BASE: dict[str, Any] = {
     "model": {"name": "meta-llama/Meta-Llama-3-70B"},

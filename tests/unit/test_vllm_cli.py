@@ -25,8 +25,8 @@ from rankguard_operator.core.engine.rules import image_version, rules_for, rules
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine.vllm_cli import convert
 from rankguard_operator.core.render import vllm_args
-from rankguard_operator.core.spec import parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec
 
 CLI = rules_for("0.33.0").cli
 

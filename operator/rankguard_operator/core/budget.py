@@ -25,8 +25,8 @@ from rankguard_operator.core.memory_model import PlanError, act_bytes, pp_layer_
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.model_source import ModelResolution
 from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
-from rankguard_operator.core.spec import ServiceSpec, resolve_shape
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, resolve_shape
 from rankguard_operator.core.units import MiB
 
 # With no plan to say how big a KV block is, budgets are rounded to whole MiB.

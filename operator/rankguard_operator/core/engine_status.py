@@ -20,7 +20,7 @@ from rankguard_operator.core.engine.rules import Rules, image_version, rules_for
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from rankguard_operator.core.kv_model import default_block_size, resolve_max_mod
 from rankguard_operator.core.memory_model import PlanError
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.model_source import ModelResolution
-from rankguard_operator.core.spec import ServiceSpec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
 # --------------------------------------------------------------------------------------------

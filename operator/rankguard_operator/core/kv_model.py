@@ -15,7 +15,6 @@ from typing import Any
 from rankguard_operator.core.kv_layout import KVLayout, LayerKV, kv_layout
 from rankguard_operator.core.memory_model import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Capacity,
     PlanError,
     check_tp,
@@ -23,6 +22,7 @@ from rankguard_operator.core.memory_model import (
     pp_layer_partition,
 )
 from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.spec.crd import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 # MLA backends' kernel block (FlashMLA), which vLLM uses when --block-size is not given.
 MLA_BLOCK_SIZE = 64

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.model_shape import ModelShape
 from rankguard_operator.core.quantization import UnknownQuantization, runtime_scheme, uniform_scheme
+from rankguard_operator.core.spec.crd import LogitsMode
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.core.weights import rank_weight_bytes
-
-LogitsMode = Literal["gather", "all-gather"]
-LOGITS_MODES: tuple[str, ...] = ("gather", "all-gather")
 
 # --------------------------------------------------------------------------------------------
 # Defaults. The KV facts come from the recorded vLLM snapshot (engine.json), not from memory.
@@ -31,9 +28,6 @@ DEFAULT_BLOCK_SIZE = vllm_snapshots.latest().default_block_size
 # Blocks the block pool holds back for good (vLLM >= 0.33's "null block", reserved before the
 # too-small check): a budget must hold one request's blocks PLUS these, or vLLM refuses to start.
 NULL_BLOCKS = vllm_snapshots.latest().null_blocks
-DEFAULT_MAX_NUM_SEQS = 256  # the facts: vLLM's default is 256 or 1024 by GPU size; we pass it explicitly
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1's chunked-prefill default for online serving
-DEFAULT_SAFETY_MARGIN_BYTES = 512 * MiB  # rankguard's default; room for transients the priors miss
 
 # --------------------------------------------------------------------------------------------
 # Priors: used only where a rank has no measurement. Each says where its figure comes from.

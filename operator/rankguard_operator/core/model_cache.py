@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from rankguard_operator.core.conditions import Condition
 from rankguard_operator.core.render import render_cache_claim
-from rankguard_operator.core.spec import ServiceSpec
-from rankguard_operator.core.spec_pod import ModelCacheSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.spec.pod import ModelCacheSpec
 from rankguard_operator.core.units import format_quantity
 
 CONDITION = Condition.MODEL_CACHE_READY

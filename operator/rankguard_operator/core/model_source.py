@@ -22,8 +22,8 @@ from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.hf_config import canonical_json, relevant_config
 from rankguard_operator.core.model_shape import InvalidShapeError, ModelShape, UnknownModelError
 from rankguard_operator.core.models import resolve_model
-from rankguard_operator.core.spec import ServiceSpec, check_split
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, check_split
 
 MAX_CONFIG_JSON = 64 * 1024  # the part of a config.json the planner reads is ~2 KiB
 # vLLM options whose memory the planner does not model: with one of them the service is

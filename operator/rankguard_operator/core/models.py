@@ -27,23 +27,11 @@ from rankguard_operator.core.model_shape import (
     ModelShape,
     UnknownModelError,
 )
+from rankguard_operator.core.spec.crd import SHAPE_OVERRIDE_KEYS
 
 # ---------------------------------------------------------------------------------------------
 # Overrides (CRD spec.model.shape / CLI --shape): camelCase key -> ModelShape field
 
-SHAPE_OVERRIDE_KEYS: dict[str, str] = {
-    "vocabSize": "vocab_size",
-    "hiddenSize": "hidden_size",
-    "numLayers": "num_layers",
-    "numHeads": "num_heads",
-    "numKVHeads": "num_kv_heads",
-    "intermediateSize": "intermediate_size",
-    "tieWordEmbeddings": "tie_word_embeddings",
-    "headDim": "head_dim",
-    "numExperts": "num_experts",
-    "expertsPerToken": "experts_per_token",
-    "maxPositionEmbeddings": "max_position_embeddings",
-}
 # The keys a shape needs when there is nothing (catalog entry or config.json) to fill gaps from.
 REQUIRED_OVERRIDE_KEYS: tuple[str, ...] = (
     "vocabSize",

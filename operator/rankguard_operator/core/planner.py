@@ -59,14 +59,9 @@ from rankguard_operator.core.kv_model import (
 from rankguard_operator.core.memory_model import (
     CUDAGRAPH_PRIOR_BYTES,
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_SAFETY_MARGIN_BYTES,
     LOGITS_BYTES_PER_VALUE,
-    LOGITS_MODES,
     SAMPLER_FP32_COPIES,
     Capacity,
-    LogitsMode,
     PlanError,
     act_bytes,
     activation_bytes,
@@ -78,6 +73,13 @@ from rankguard_operator.core.memory_model import (
     weight_bytes,
 )
 from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.spec.crd import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SAFETY_MARGIN_BYTES,
+    LOGITS_MODES,
+    LogitsMode,
+)
 from rankguard_operator.core.units import format_bytes
 
 # --------------------------------------------------------------------------------------------

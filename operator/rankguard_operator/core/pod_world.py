@@ -23,8 +23,8 @@ from rankguard_operator.core.conditions import Condition, condition, drop_condit
 from rankguard_operator.core.effects import ApplyClaim, PostEvent
 from rankguard_operator.core.gpu_labels import NodeGpu, gpu_from_nodes
 from rankguard_operator.core.headroom import Observation
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.step_io import World
 
 

@@ -51,8 +51,8 @@ from rankguard_operator.core.history import history_from_status
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.step_io import (
     ReportInput,
     Settings,

@@ -50,8 +50,8 @@ from rankguard_operator.core.names import (
     service_name,
 )
 from rankguard_operator.core.planner import Plan
-from rankguard_operator.core.pod_template import CACHE_ENV, apply_template
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.spec.template import CACHE_ENV, apply_template
 from rankguard_operator.core.units import format_quantity
 
 # Downloading and loading a 70B-405B model and capturing CUDA graphs can take many minutes;

@@ -16,7 +16,7 @@ from typing import Any
 
 from rankguard_operator.core.conditions import Condition, Phase
 from rankguard_operator.core.observe import CUDA_OOM, OOM_KILLED, Termination
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 
 MEMORY_KINDS = (CUDA_OOM, OOM_KILLED)
 PHASES = tuple(p.value for p in Phase)

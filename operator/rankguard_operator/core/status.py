@@ -22,7 +22,7 @@ from rankguard_operator.core.observe import RolloutState
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.render import vllm_args
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
 HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations

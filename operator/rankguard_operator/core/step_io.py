@@ -19,8 +19,8 @@ from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model_source import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.spec import ServiceSpec, parse_spec
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 
 HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
 

@@ -12,7 +12,7 @@ from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
 from rankguard_operator.core.policy.tunables import KNOBS, T_CUDA_OOM
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
 

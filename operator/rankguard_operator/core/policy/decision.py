@@ -11,7 +11,7 @@ from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe import OOM_KILLED, RolloutState, Termination
 from rankguard_operator.core.planner import Plan
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 
 Action = Literal[
     "none", "initial", "shrink", "raise-memory-limit", "grow", "rollback", "degrade", "hold", "replan"

@@ -15,7 +15,7 @@ from rankguard_operator.core.observe import (
     Termination,
 )
 from rankguard_operator.core.policy.tunables import RECLAIM_HEADROOM_FACTOR
-from rankguard_operator.core.spec import ServiceSpec
+from rankguard_operator.core.spec.parse import ServiceSpec
 
 # --------------------------------------------------------------------------------------------
 # Trackers the caller keeps between calls (pure: previous value in, next value out)

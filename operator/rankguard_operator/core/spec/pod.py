@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.names import GPU_RESOURCE, VLLM_HTTP_PORT, cache_claim_name
-from rankguard_operator.core.pod_template import RESERVED_MOUNTS
-from rankguard_operator.core.spec_fields import (
+from rankguard_operator.core.spec.crd import (
+    ACCESS_MODES,
+    DEFAULT_AGENT_PORT,
+    DEFAULT_CACHE_MOUNT,
+    DEFAULT_SAMPLE_HZ,
+)
+from rankguard_operator.core.spec.fields import (
     SpecError,
     bool_field,
     cpu_quantity,
@@ -25,12 +30,8 @@ from rankguard_operator.core.spec_fields import (
     section,
     str_field,
 )
+from rankguard_operator.core.spec.template import RESERVED_MOUNTS
 
-# The CRD's defaults (crds/llmservice.yaml); keep them in step with it.
-DEFAULT_AGENT_PORT = 9404
-DEFAULT_SAMPLE_HZ = 10.0
-DEFAULT_CACHE_MOUNT = "/root/.cache/huggingface"
-ACCESS_MODES = ("ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod")
 # A device plugin's extended resource: a domain-prefixed name outside kubernetes.io.
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 

@@ -22,16 +22,27 @@ from typing import Any
 
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION, check_extra_args
 from rankguard_operator.core.engine.rules import rules_for_image
-from rankguard_operator.core.memory_model import (
+from rankguard_operator.core.model_shape import ModelError, ModelShape, UnknownModelError
+from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.spec.crd import (
+    BLOCK_SIZES,
+    DEFAULT_COOLDOWN_SECONDS,
+    DEFAULT_HOST_MEMORY_BUMP_RATIO,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MAX_PER_HOUR,
+    DEFAULT_MIN_HEADROOM_BYTES,
     DEFAULT_SAFETY_MARGIN_BYTES,
+    DEFAULT_STARTUP_TIMEOUT_SECONDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LISTEN_ADDRESSES,
     LOGITS_MODES,
+    MAX_GPUS_PER_REPLICA,
+    MIN_PINNED_KV_BYTES,
+    SHAPE_OVERRIDE_KEYS,
 )
-from rankguard_operator.core.model_shape import ModelError, ModelShape, UnknownModelError
-from rankguard_operator.core.models import SHAPE_OVERRIDE_KEYS, resolve_model
-from rankguard_operator.core.pod_template import PodTemplate, parse_template
-from rankguard_operator.core.spec_fields import (
+from rankguard_operator.core.spec.fields import (
     SpecError,
     bool_field,
     choice_field,
@@ -42,7 +53,7 @@ from rankguard_operator.core.spec_fields import (
     section,
     str_field,
 )
-from rankguard_operator.core.spec_pod import (
+from rankguard_operator.core.spec.pod import (
     AgentSpec,
     ModelCacheSpec,
     ResourcesSpec,
@@ -50,23 +61,7 @@ from rankguard_operator.core.spec_pod import (
     parse_model_cache,
     parse_resources,
 )
-from rankguard_operator.core.units import MiB
-
-# The CRD's defaults and enums (crds/llmservice.yaml); keep them in step with it.
-DEFAULT_MIN_HEADROOM_BYTES = 256 * MiB
-DEFAULT_COOLDOWN_SECONDS = 300
-DEFAULT_MAX_PER_HOUR = 4
-DEFAULT_HOST_MEMORY_BUMP_RATIO = 1.2
-DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-MAX_GPUS_PER_REPLICA = 64
-# The smallest pinned per-GPU KV budget the CRD accepts: no model holds one request in less, so a
-# smaller figure is a unit mistake (bytes for GiB). The model-aware bound (one request of
-# maxModelLen) is checked once the shape is known (core/failing).
-MIN_PINNED_KV_BYTES = MiB
-DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800
-LISTEN_ADDRESSES = ("0.0.0.0", "::")
+from rankguard_operator.core.spec.template import PodTemplate, parse_template
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from rankguard_operator.core.names import (
     SHM_VOLUME,
     VLLM_CONTAINER,
 )
-from rankguard_operator.core.spec_fields import SpecError
+from rankguard_operator.core.spec.fields import SpecError
 
 # The PodSpec fields a user may set (hack/pod-template-schema/generate.py embeds exactly these
 # in the CRD). Left out: what rankguard owns (enableServiceLinks), what a Deployment's
