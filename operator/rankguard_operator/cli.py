@@ -25,8 +25,8 @@ from rankguard_operator.cli_render import RenderError, add_render
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
 from rankguard_operator.core.kv_model import default_block_size
 from rankguard_operator.core.memory_model import DEFAULT_BLOCK_SIZE, PlanError
-from rankguard_operator.core.model_shape import ModelError
-from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.model.resolve import resolve_model
+from rankguard_operator.core.model.shape import ModelError
 from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,

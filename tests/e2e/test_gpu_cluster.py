@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from rankguard_operator.core.catalog import CATALOG_ENTRIES
+from rankguard_operator.core.model.catalog import CATALOG_ENTRIES
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.vllm_sandbox import engine_pynvml, weight_downloads
 from rankguard_sim.world import Node

@@ -11,7 +11,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.kv_model import min_budget_for_one_request
-from rankguard_operator.core.spec.parse import parse_spec, resolve_shape
+from rankguard_operator.core.model.resolve import resolve
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.cluster import ControlPlane
 from rankguard_sim.kubelet import wait_for_pids_gone
 
@@ -290,7 +291,9 @@ def test_a_budget_at_the_floor_starts(api: client.ApiClient, e2e_namespace: str,
         "engine": {"maxModelLen": 8192, "maxNumSeqs": 8},
     }
     parsed = parse_spec(spec)
-    floor = min_budget_for_one_request(resolve_shape(parsed), 2, max_model_len=8192, pp=2)
+    shape = resolve(parsed).shape
+    assert shape is not None
+    floor = min_budget_for_one_request(shape, 2, max_model_len=8192, pp=2)
     spec["memory"] = {"kvCacheMemoryBytes": floor}
     doc = {"apiVersion": "rankguard.io/v1alpha1", "kind": "LLMService", "metadata": {"name": "floor"}}
     apply_service(api, e2e_namespace, {**doc, "spec": spec})

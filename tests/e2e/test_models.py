@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from rankguard_operator.core.catalog import CATALOG_ENTRIES
+from rankguard_operator.core.model.catalog import CATALOG_ENTRIES
 
 from .conftest import apply_service, condition, get_llmservice, wait_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rankguard_operator.cli import main
-from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.model.resolve import resolve_model
 from rankguard_operator.core.planner import PlanInput, make_plan
 from rankguard_operator.core.units import GiB
 

@@ -14,7 +14,7 @@ import yaml
 
 from rankguard_operator.core.budget import prior_plan
 from rankguard_operator.core.memory_model import kv_dtype_bytes
-from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS
+from rankguard_operator.core.model.resolve import REQUIRED_OVERRIDE_KEYS
 from rankguard_operator.core.planner import PlanInput
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,

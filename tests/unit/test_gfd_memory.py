@@ -27,7 +27,7 @@ from rankguard_operator.core.gpu_labels import (
     planning_gpu_bytes,
     slice_bytes,
 )
-from rankguard_operator.core.headroom import aggregate
+from rankguard_operator.core.headroom import aggregate, gpu_totals
 from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step
@@ -178,8 +178,8 @@ def test_a_mig_slice_is_planned_with_its_label_even_after_agents_report_the_pare
     assert flags_of(c.deployment).kv_cache_memory_bytes == first
     assert vllm_argv(c.deployment) == argv  # the start-up utilisation is still the slice's share
     obs = aggregate([(name, _parent_gpu_report(c.clock), c.clock)], c.clock, 30.0)
-    plan = measured_plan(spec, obs, learned_gpu_bytes=80 * GiB, slice_bytes=40192 * MiB)
-    parent = measured_plan(spec, obs, learned_gpu_bytes=80 * GiB)
+    plan = measured_plan(spec, gpu_totals(obs), learned_gpu_bytes=80 * GiB, slice_bytes=40192 * MiB)
+    parent = measured_plan(spec, gpu_totals(obs), learned_gpu_bytes=80 * GiB)
     assert plan is not None and parent is not None
     assert {r.total_bytes for r in plan.ranks} == {40192 * MiB}
     assert {r.total_bytes for r in parent.ranks} == {80 * GiB}

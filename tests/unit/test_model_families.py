@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.catalog import CATALOG, CATALOG_ENTRIES
-from rankguard_operator.core.hf_config import shape_from_hf_config
 from rankguard_operator.core.kv_model import kv_bytes_per_token, stage_kv_layout
 from rankguard_operator.core.memory_model import weight_bytes
-from rankguard_operator.core.model_shape import InvalidShapeError
+from rankguard_operator.core.model.catalog import CATALOG, CATALOG_ENTRIES
+from rankguard_operator.core.model.hf_config import shape_from_hf_config
+from rankguard_operator.core.model.shape import InvalidShapeError
 from rankguard_operator.core.units import GiB
 
 # Parameter counts the model cards publish (billions). A wrong expert count, a missed shared

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.catalog import CATALOG, catalog_key, lookup_catalog
-from rankguard_operator.core.hf_config import shape_from_hf_config
-from rankguard_operator.core.model_shape import InvalidShapeError, ModelShape, UnknownModelError
-from rankguard_operator.core.models import REQUIRED_OVERRIDE_KEYS, resolve_model
+from rankguard_operator.core.model.catalog import CATALOG, catalog_key, lookup_catalog
+from rankguard_operator.core.model.hf_config import shape_from_hf_config
+from rankguard_operator.core.model.resolve import REQUIRED_OVERRIDE_KEYS, resolve_model
+from rankguard_operator.core.model.shape import InvalidShapeError, ModelShape, UnknownModelError
 from rankguard_operator.core.spec.crd import SHAPE_OVERRIDE_KEYS
 
 # shared/reference/vllm-memory-facts.md, "KV bytes" table

@@ -101,12 +101,12 @@ def test_the_engines_own_report_tightens_the_plan_and_survives_a_restart_without
     }
     # the bottleneck's engine figure (others' memory on GPU 0 included) tightens the plan
     from rankguard_operator.core.budget import measured_plan
-    from rankguard_operator.core.headroom import aggregate
+    from rankguard_operator.core.headroom import aggregate, gpu_totals
 
     obs = aggregate([(pod_name, report((20 * GiB, 20 * GiB), c.clock), c.clock)], c.clock, 30.0)
     spec = parse_spec(SPEC)
-    with_engine = measured_plan(spec, obs, engine_non_kv=c.state().engine_non_kv)
-    without = measured_plan(spec, obs)
+    with_engine = measured_plan(spec, gpu_totals(obs, c.state().engine_non_kv))
+    without = measured_plan(spec, gpu_totals(obs))
     assert with_engine is not None and without is not None
     assert with_engine.ranks[0].non_kv_source == "engine"
     assert with_engine.kv_cache_memory_bytes < without.kv_cache_memory_bytes

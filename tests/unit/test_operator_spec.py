@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rankguard_operator.core.model.resolve import ConfigRead, resolve
 from rankguard_operator.core.spec.crd import (
     BLOCK_SIZES,
     DEFAULT_AGENT_PORT,
@@ -21,7 +22,7 @@ from rankguard_operator.core.spec.crd import (
     KV_CACHE_DTYPES,
 )
 from rankguard_operator.core.spec.fields import SpecError
-from rankguard_operator.core.spec.parse import parse_spec, resolve_shape
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB, MiB
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "llmservice.yaml"
@@ -259,8 +260,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
 def test_bad_specs_are_refused_with_an_actionable_message(
     case: str, doc: dict[str, Any], fragment: str
 ) -> None:
+    # the step's two checks: the spec's syntax (parse_spec), then what its model makes of it (resolve)
     with pytest.raises(SpecError) as exc:
-        parse_spec(doc)
+        resolve(parse_spec(doc))
     assert fragment in str(exc.value), str(exc.value)
 
 
@@ -302,15 +304,16 @@ def test_shape_override_makes_an_unknown_model_plannable() -> None:
         "tieWordEmbeddings": False,
     }
     s = parse_spec(with_("model", {"name": "acme/private-7b", "shape": shape}))
-    got = resolve_shape(s)
+    got = resolve(s).shape
+    assert got is not None
     assert (got.name, got.vocab_size, got.num_layers, got.head_dim) == ("acme/private-7b", 32000, 32, 128)
 
 
 def test_config_map_model_is_resolved_from_the_callers_config_json() -> None:
     s = parse_spec(with_("model", {"name": "acme/private-7b", "configMap": {"name": "acme-config"}}))
     assert (s.model.config_map, s.model.config_map_key) == ("acme-config", "config.json")
-    with pytest.raises(SpecError, match=r"read its 'config\.json' entry"):
-        resolve_shape(s)
+    unread = resolve(s)
+    assert unread.shape is None and "has not been read yet" in unread.reason
     hf = {
         "vocab_size": 32000,
         "hidden_size": 4096,
@@ -319,14 +322,15 @@ def test_config_map_model_is_resolved_from_the_callers_config_json() -> None:
         "num_key_value_heads": 8,
         "intermediate_size": 11008,
     }
-    assert resolve_shape(s, hf).num_kv_heads == 8
+    read = resolve(s, ConfigRead(doc=hf)).shape
+    assert read is not None and read.num_kv_heads == 8
     s3 = parse_spec(
         with_(
             "tensorParallelSize", 3, with_("model", {"name": "acme/private-7b", "configMap": {"name": "c"}})
         )
     )
     with pytest.raises(SpecError, match="must divide the 32 attention heads"):
-        resolve_shape(s3, hf)
+        resolve(s3, ConfigRead(doc=hf))
 
 
 # --- drift against crds/llmservice.yaml -------------------------------------------------------

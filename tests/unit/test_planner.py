@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 
-from rankguard_operator.core.catalog import CATALOG
 from rankguard_operator.core.kv_model import (
     capacity_for_budget,
     kv_bytes_per_token,
@@ -28,8 +27,9 @@ from rankguard_operator.core.memory_model import (
     pp_layer_partition,
     weight_bytes,
 )
-from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.model.catalog import CATALOG
+from rankguard_operator.core.model.resolve import resolve_model
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.planner import PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB, MiB
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rankguard_operator.core.catalog import CATALOG
 from rankguard_operator.core.kv_model import kv_bytes_per_token, stage_kv_layout, stage_range
 from rankguard_operator.core.memory_model import activation_bytes, weight_bytes
-from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model.catalog import CATALOG
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB
 

@@ -14,19 +14,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from rankguard_operator.core.checkpoint_weights import CheckpointError, checkpoint_rank_weights
-from rankguard_operator.core.headroom import Observation, gpu_totals
 from rankguard_operator.core.kv_model import default_block_size
 from rankguard_operator.core.memory_model import PlanError, act_bytes, pp_layer_partition
-from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.model_source import ModelResolution
+from rankguard_operator.core.model.checkpoint import CheckpointError, checkpoint_rank_weights
+from rankguard_operator.core.model.resolve import ModelResolution, resolve
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.spec.fields import SpecError
-from rankguard_operator.core.spec.parse import ServiceSpec, resolve_shape
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import MiB
 
 # With no plan to say how big a KV block is, budgets are rounded to whole MiB.
@@ -120,24 +119,20 @@ def initial_plan(
     spec: ServiceSpec,
     *,
     measured: Sequence[RankMeasurement] = (),
-    shape: ModelShape | None = None,
-    hf_config: Mapping[str, Any] | None = None,
     model: ModelResolution | None = None,
 ) -> Plan | None:
     """The planner's budget for this spec: from priors, with probe figures / measured totals
     replacing them rank by rank when given. `model` says where the shape came from (the
-    reconcile step resolves it); without it the shape is `shape`, else the catalog/`hf_config`.
-    None while one GPU's size is unknown (no spec.memory.gpuMemoryBytes and nothing measured
-    yet), and for a measure-first model until every rank's engine report is in. Raises
-    SpecError when the spec cannot be planned (TP that does not divide the heads, ...)."""
-    checkpoint = None
-    measured_only = False
-    if model is not None:
-        if model.shape is None:
-            return None
-        shape, checkpoint, measured_only = model.shape, model.checkpoint, model.measure_first
-    if shape is None:
-        shape = resolve_shape(spec, hf_config)
+    reconcile step resolves it once per pass); without it, the spec alone is resolved (its
+    figures or the catalog). None while one GPU's size is unknown (no spec.memory.gpuMemoryBytes
+    and nothing measured yet), while nothing describes the model, and for a measure-first model
+    until every rank's engine report is in. Raises SpecError when the spec cannot be planned (TP
+    that does not divide the heads, ...)."""
+    if model is None:
+        model = resolve(spec)
+    if model.shape is None:
+        return None
+    shape, checkpoint, measured_only = model.shape, model.checkpoint, model.measure_first
     usable = _usable(measured, spec.world_size)
     gpu = gpu_memory_bytes(spec, usable)
     if gpu is None:
@@ -303,47 +298,20 @@ def _with_gpu(spec: ServiceSpec, learned_gpu_bytes: int | None) -> ServiceSpec:
     return spec
 
 
-def learned_gpu_bytes(
-    observation: Observation | None, world_size: int, crash_totals: Sequence[int | None] = ()
-) -> int | None:
-    """One GPU's total as the agents measure it (NVML), once every rank of a replica has said:
-    the smallest total, so a mixed node plans for its smallest card. Before any report, the
-    device total a crash's termination message carried (`crash_totals`: vLLM's start-up
-    refusal prints it, and a pod refused at start-up never becomes ready to be scraped).
-    None until one of them is known."""
-    totals = {
-        r.rank: r.total_bytes for r in (observation.fresh_ranks if observation else ()) if r.total_bytes
-    }
-    if len(totals) >= world_size:
-        return min(totals.values())
-    crashed = [t for t in crash_totals if t is not None and t > 0]
-    return min(crashed) if crashed else None
-
-
 def measured_plan(
     spec: ServiceSpec,
-    observation: Observation | None,
+    measured: Sequence[RankMeasurement],
     *,
-    shape: ModelShape | None = None,
-    hf_config: Mapping[str, Any] | None = None,
     learned_gpu_bytes: int | None = None,
-    engine_non_kv: Mapping[int, int] | None = None,
     model: ModelResolution | None = None,
     slice_bytes: int | None = None,
 ) -> Plan | None:
     """The plan the policy decides with: the planner's budget for `spec`, with each fresh rank's
-    measured total and probe figures (from `observation`) replacing the priors. None while one
-    GPU's size is unknown (neither measured now, nor learned before, nor in the spec). Raises
-    SpecError when the spec cannot be planned. `slice_bytes`: a MIG slice's size from the
-    node's labels (core/gpu_labels), which replaces the agents' totals: NVML in the pod may
-    report the parent GPU's."""
-    measured = gpu_totals(observation, engine_non_kv)
+    measured total and probe figures (`measured`, observe.headroom.gpu_totals of this pass)
+    replacing the priors. None while one GPU's size is unknown (neither measured now, nor learned
+    before, nor in the spec). Raises SpecError when the spec cannot be planned. `slice_bytes`: a
+    MIG slice's size from the node's labels (budget.gpu_labels), which replaces the agents'
+    totals: NVML in the pod may report the parent GPU's."""
     if slice_bytes is not None:
         measured = tuple(replace(m, total_bytes=slice_bytes) for m in measured)
-    return initial_plan(
-        _with_gpu(spec, learned_gpu_bytes),
-        measured=measured,
-        shape=shape,
-        hf_config=hf_config,
-        model=model,
-    )
+    return initial_plan(_with_gpu(spec, learned_gpu_bytes), measured=measured, model=model)

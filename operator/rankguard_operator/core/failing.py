@@ -25,8 +25,8 @@ from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes
 from rankguard_operator.core.kv_model import default_block_size, resolve_max_model_len, stage_layouts
 from rankguard_operator.core.memory_model import PlanError
-from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.model_source import ModelResolution
+from rankguard_operator.core.model.resolve import ModelResolution
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes

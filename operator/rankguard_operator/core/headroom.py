@@ -255,3 +255,20 @@ def gpu_totals(
             )
         )
     return tuple(out)
+
+
+def learned_gpu_bytes(
+    observation: Observation | None, world_size: int, crash_totals: Sequence[int | None] = ()
+) -> int | None:
+    """One GPU's total as the agents measure it (NVML), once every rank of a replica has said:
+    the smallest total, so a mixed node plans for its smallest card. Before any report, the
+    device total a crash's termination message carried (`crash_totals`: vLLM's start-up
+    refusal prints it, and a pod refused at start-up never becomes ready to be scraped).
+    None until one of them is known."""
+    totals = {
+        r.rank: r.total_bytes for r in (observation.fresh_ranks if observation else ()) if r.total_bytes
+    }
+    if len(totals) >= world_size:
+        return min(totals.values())
+    crashed = [t for t in crash_totals if t is not None and t > 0]
+    return min(crashed) if crashed else None

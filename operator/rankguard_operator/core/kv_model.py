@@ -21,7 +21,7 @@ from rankguard_operator.core.memory_model import (
     kv_dtype_bytes,
     pp_layer_partition,
 )
-from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.spec.crd import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 # MLA backends' kernel block (FlashMLA), which vLLM uses when --block-size is not given.

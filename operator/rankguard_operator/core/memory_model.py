@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 
 from rankguard_operator import vllm_snapshots
-from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.quantization import UnknownQuantization, runtime_scheme, uniform_scheme
+from rankguard_operator.core.model.quantization import UnknownQuantization, runtime_scheme, uniform_scheme
+from rankguard_operator.core.model.shape import ModelShape
+from rankguard_operator.core.model.weights import rank_weight_bytes
 from rankguard_operator.core.spec.crd import LogitsMode
 from rankguard_operator.core.units import GiB, MiB
-from rankguard_operator.core.weights import rank_weight_bytes
 
 # --------------------------------------------------------------------------------------------
 # Defaults. The KV facts come from the recorded vLLM snapshot (engine.json), not from memory.

@@ -72,7 +72,7 @@ from rankguard_operator.core.memory_model import (
     weight_bits,
     weight_bytes,
 )
-from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,

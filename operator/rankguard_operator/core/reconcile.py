@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import blockers, model_source, observe, pod_world, policy, render, status
-from rankguard_operator.core.budget import budget_key, learned_gpu_bytes, measured_plan, prior_plan
+from rankguard_operator.core import blockers, observe, pod_world, policy, render, status
+from rankguard_operator.core.budget import budget_key, measured_plan, prior_plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyDeployment,
@@ -46,8 +46,9 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.failing import check_budget_fits, degraded_event, gpu_size, said_before
 from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
-from rankguard_operator.core.headroom import aggregate
+from rankguard_operator.core.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.history import history_from_status
+from rankguard_operator.core.model import resolve as model_source
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
@@ -227,9 +228,8 @@ class _Pass:
             check_budget_fits(spec, self.model, gpu_size(spec, gpu, self.node_gpu))
             plan = measured_plan(
                 spec,
-                observation,
+                gpu_totals(observation, engine.non_kv),
                 learned_gpu_bytes=self.gpu(gpu),
-                engine_non_kv=engine.non_kv,
                 model=self.model,
                 slice_bytes=slice_bytes(self.node_gpu),
             )

@@ -29,8 +29,8 @@ from typing import Any
 
 from rankguard_operator.core.budget import startup_utilization
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.model_shape import ModelError, ModelShape
-from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.model.resolve import resolve_model
+from rankguard_operator.core.model.shape import ModelError, ModelShape
 from rankguard_operator.core.names import (
     AGENT_ENTRY,
     AGENT_INIT_CONTAINER,

@@ -16,7 +16,7 @@ from rankguard_agent.report import Report
 from rankguard_operator.core import observe, policy
 from rankguard_operator.core.agent_ready import AgentMiss
 from rankguard_operator.core.effects import Effect
-from rankguard_operator.core.model_source import ConfigRead
+from rankguard_operator.core.model.resolve import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.fields import SpecError

@@ -39,7 +39,7 @@ from rankguard_operator.core.effects import (
     WriteStatus,
 )
 from rankguard_operator.core.history import STATUS_ACTIONS
-from rankguard_operator.core.model_source import ConfigRead, config_from_configmap
+from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import Termination
 from rankguard_operator.core.service_state import ServiceState

@@ -22,8 +22,6 @@ from typing import Any
 
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION, check_extra_args
 from rankguard_operator.core.engine.rules import rules_for_image
-from rankguard_operator.core.model_shape import ModelError, ModelShape, UnknownModelError
-from rankguard_operator.core.models import resolve_model
 from rankguard_operator.core.spec.crd import (
     BLOCK_SIZES,
     DEFAULT_COOLDOWN_SECONDS,
@@ -315,26 +313,6 @@ def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> Remediati
     )
 
 
-def check_split(shape: ModelShape, tp: int, pp: int) -> None:
-    """vLLM's constraints between the model and the GPU split, as SpecErrors naming spec fields."""
-    if shape.num_heads % tp != 0:
-        raise SpecError(
-            f"spec.tensorParallelSize ({tp}) must divide the {shape.num_heads} attention heads of "
-            f"{shape.name!r}: vLLM splits heads evenly across ranks"
-        )
-    kv = shape.num_kv_heads
-    if kv % tp != 0 and tp % kv != 0:
-        raise SpecError(
-            f"spec.tensorParallelSize ({tp}) and the {kv} KV heads of {shape.name!r} must divide one "
-            "another: vLLM splits KV heads across ranks, or replicates them when there are fewer"
-        )
-    if pp > shape.num_layers:
-        raise SpecError(
-            f"spec.pipelineParallelSize ({pp}) exceeds the {shape.num_layers} layers of {shape.name!r}; "
-            "each pipeline stage needs at least one layer"
-        )
-
-
 def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     """Parse an LLMService's `spec` (camelCase, as the API returns it). Raises `SpecError`."""
     if not isinstance(spec, Mapping):
@@ -350,19 +328,6 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
             f"spec.tensorParallelSize × spec.pipelineParallelSize ({tp} × {pp} = {tp * pp} GPUs per replica) "
             f"must be at most {MAX_GPUS_PER_REPLICA}; lower one of them"
         )
-    if model.config_map is None:
-        # Known now (catalog or spec.model.shape): check it here, so a bad spec is reported once,
-        # clearly, instead of failing every plan. A model nobody knows yet is not an error: the
-        # agent reads its config.json from the pod (core/model_source), and a ConfigMap's shape
-        # is checked when it has been read.
-        try:
-            shape: ModelShape | None = resolve_model(model.name, model.shape)
-        except UnknownModelError:
-            shape = None
-        except ModelError as exc:
-            raise SpecError(f"spec.model: {exc}") from None
-        if shape is not None:
-            check_split(shape, tp, pp)
     memory = _parse_memory(spec)
     engine = _parse_engine(spec)
     # extraArgs are read the way the image's vLLM reads them (its recorded CLI: every flag,
@@ -386,19 +351,3 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         model_cache=cache,
         template=parse_template(spec.get("template"), cache.mount_path if cache is not None else None),
     )
-
-
-def resolve_shape(spec: ServiceSpec, hf_config: Mapping[str, Any] | None = None) -> ModelShape:
-    """The model shape to plan with: spec.model.shape, else the ConfigMap's config.json (read by
-    the caller and passed as `hf_config`), else the built-in catalog. Raises SpecError."""
-    if spec.model.config_map is not None and hf_config is None:
-        raise SpecError(
-            f"spec.model.configMap names ConfigMap {spec.model.config_map!r}; read its "
-            f"{spec.model.config_map_key!r} entry and pass it as hf_config before planning"
-        )
-    try:
-        shape = resolve_model(spec.model.name, spec.model.shape, hf_config=hf_config)
-    except ModelError as exc:
-        raise SpecError(f"spec.model: {exc}") from None
-    check_split(shape, spec.tp, spec.pp)
-    return shape

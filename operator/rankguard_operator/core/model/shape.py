@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rankguard_operator.core.quantization import QuantScheme
+from rankguard_operator.core.model.quantization import QuantScheme
 
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("full", "sliding", "chunked", "linear")

@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model.shape import ModelShape
 
 MAX_CHECKPOINT_JSON = 256 * 1024  # a 4096-layer summary is ~200 KiB; status keeps it
 _MAX = 1 << 50

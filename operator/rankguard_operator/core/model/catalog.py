@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from rankguard_operator.core.hf_config import shape_from_hf_config
-from rankguard_operator.core.model_shape import ModelShape
+from rankguard_operator.core.model.hf_config import shape_from_hf_config
+from rankguard_operator.core.model.shape import ModelShape
 
 # Suffixes that name a fine-tune or a packaging of the same architecture. Quantization
 # suffixes (-awq, -gptq, -fp8) are deliberately NOT stripped: the weights differ in size,

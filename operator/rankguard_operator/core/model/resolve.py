@@ -1,29 +1,127 @@
-"""Where a service's model shape comes from, and whether it may be planned from priors.
+"""A service's model: its shape, where that comes from, and whether it may be planned from priors.
 
-In order of precedence: `spec.model.shape` (a person's explicit figures, layered on whatever
-else is known), `spec.model.configMap` (the edge reads the ConfigMap and hands its document
-in), the `config.json` the agent read next to the weights vLLM loaded (kept in
-`status.model` so it outlives its pods), then the built-in catalog. A model that none of them
-knows, or whose architecture, quantisation or serving features the planner does not model,
-goes MEASURE-FIRST: vLLM profiles it at a bounded utilisation, and the budget follows from
-the engine's per-worker report and the agents' NVML figures. The `ModelResolved` condition
-says which, and why. Pure: no I/O.
+The one resolver (`resolve`, once per pass): in order of precedence `spec.model.shape` (a person's
+explicit figures, layered on whatever else is known), `spec.model.configMap` (the edge reads the
+ConfigMap and hands its document in), the `config.json` the agent read next to the weights vLLM
+loaded (kept in `status.model` so it outlives its pods), then the built-in catalog, matched
+case-insensitively on the last path part of the model name (`meta-llama/Llama-3.1-70B-Instruct`
+-> `llama-3.1-70b`). A model that none of them knows, or whose architecture, quantisation or
+serving features the planner does not model, goes MEASURE-FIRST: vLLM profiles it at a bounded
+utilisation, and the budget follows from the engine's per-worker report and the agents' NVML
+figures. The `ModelResolved` condition says which, and why. What the model makes of the spec (a
+split its heads cannot take, a quantisation on top of a quantised checkpoint) is refused here
+as a `SpecError` naming the field.
+
+`resolve_model` is the same precedence for figures alone (`rankguard plan --model/--config/--shape`).
+Catalog figures are the published `config.json` values of each model (core/model/catalog).
+
+Pure: no I/O (reading the file or ConfigMap is the caller's job).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from rankguard_operator.core.checkpoint_weights import CheckpointError, parse_summary, summary_json
 from rankguard_operator.core.engine.rules import rules_for_image
-from rankguard_operator.core.hf_config import canonical_json, relevant_config
-from rankguard_operator.core.model_shape import InvalidShapeError, ModelShape, UnknownModelError
-from rankguard_operator.core.models import resolve_model
+from rankguard_operator.core.model.catalog import CATALOG, lookup_catalog
+from rankguard_operator.core.model.checkpoint import CheckpointError, parse_summary, summary_json
+from rankguard_operator.core.model.hf_config import canonical_json, relevant_config, shape_from_hf_config
+from rankguard_operator.core.model.shape import InvalidShapeError, ModelError, ModelShape, UnknownModelError
+from rankguard_operator.core.spec.crd import SHAPE_OVERRIDE_KEYS
 from rankguard_operator.core.spec.fields import SpecError
-from rankguard_operator.core.spec.parse import ServiceSpec, check_split
+from rankguard_operator.core.spec.parse import ServiceSpec
+
+# ---------------------------------------------------------------------------------------------
+# A shape from figures: spec.model.shape / --shape over a config.json over the catalog
+
+# The keys a shape needs when there is nothing (catalog entry or config.json) to fill gaps from.
+REQUIRED_OVERRIDE_KEYS: tuple[str, ...] = (
+    "vocabSize",
+    "hiddenSize",
+    "numLayers",
+    "numHeads",
+    "numKVHeads",
+    "intermediateSize",
+)
+
+
+def _what_to_provide() -> str:
+    optional = [k for k in SHAPE_OVERRIDE_KEYS if k not in REQUIRED_OVERRIDE_KEYS]
+    return (
+        f"provide spec.model.shape with {', '.join(REQUIRED_OVERRIDE_KEYS)} "
+        f"(optional: {', '.join(optional)}), or spec.model.configMap naming a ConfigMap that holds the "
+        "model's config.json; on the command line use --config path/to/config.json or --shape KEY=VALUE"
+    )
+
+
+def resolve_model(
+    name: str,
+    override: Mapping[str, Any] | None = None,
+    *,
+    hf_config: Mapping[str, Any] | None = None,
+) -> ModelShape:
+    """The shape to plan with for `name`.
+
+    Precedence: `override` keys win over `hf_config`, which wins over the catalog. An override
+    alone must be complete (`REQUIRED_OVERRIDE_KEYS`). Raises `UnknownModelError` (message
+    says exactly what to provide) or `InvalidShapeError`.
+    """
+    base = shape_from_hf_config(hf_config, name=name) if hf_config is not None else lookup_catalog(name)
+    if not override:
+        if base is None:
+            raise UnknownModelError(
+                f"unknown model {name!r}: rankguard has no built-in shape for it "
+                f"(built-in: {', '.join(sorted(CATALOG))}); {_what_to_provide()}"
+            )
+        return replace(base, name=name) if base.name != name else base
+    unknown = sorted(set(override) - set(SHAPE_OVERRIDE_KEYS))
+    if unknown:
+        raise InvalidShapeError(
+            f"model {name!r}: unknown shape field(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(SHAPE_OVERRIDE_KEYS)}"
+        )
+    values = {SHAPE_OVERRIDE_KEYS[k]: v for k, v in override.items() if v is not None}
+    if base is None:
+        missing = [k for k in REQUIRED_OVERRIDE_KEYS if SHAPE_OVERRIDE_KEYS[k] not in values]
+        if missing:
+            raise UnknownModelError(
+                f"unknown model {name!r} and the shape given is incomplete: missing {', '.join(missing)}; "
+                f"{_what_to_provide()}"
+            )
+        if "head_dim" not in values:
+            values["head_dim"] = 0
+        return ModelShape(name=name, **values)
+    # head_dim of the base was derived from its hidden/heads; re-derive when those change
+    if "head_dim" not in values and ("hidden_size" in values or "num_heads" in values):
+        values["head_dim"] = 0
+    return replace(base, name=name, **values)
+
+
+def check_split(shape: ModelShape, tp: int, pp: int) -> None:
+    """vLLM's constraints between the model and the GPU split, as SpecErrors naming spec fields."""
+    if shape.num_heads % tp != 0:
+        raise SpecError(
+            f"spec.tensorParallelSize ({tp}) must divide the {shape.num_heads} attention heads of "
+            f"{shape.name!r}: vLLM splits heads evenly across ranks"
+        )
+    kv = shape.num_kv_heads
+    if kv % tp != 0 and tp % kv != 0:
+        raise SpecError(
+            f"spec.tensorParallelSize ({tp}) and the {kv} KV heads of {shape.name!r} must divide one "
+            "another: vLLM splits KV heads across ranks, or replicates them when there are fewer"
+        )
+    if pp > shape.num_layers:
+        raise SpecError(
+            f"spec.pipelineParallelSize ({pp}) exceeds the {shape.num_layers} layers of {shape.name!r}; "
+            "each pipeline stage needs at least one layer"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The documents that describe a model: a ConfigMap's config.json, what an agent read
 
 MAX_CONFIG_JSON = 64 * 1024  # the part of a config.json the planner reads is ~2 KiB
 # vLLM options whose memory the planner does not model: with one of them the service is
@@ -107,6 +205,10 @@ class ModelResolution:
     reason: str  # why measure-first ("" when planned from the shape)
     message: str  # the ModelResolved condition's message
     checkpoint: Any = None  # the agent's header summary when it fits the shape
+    # The shape the spec alone names (its figures or the catalog), known before any config.json is
+    # read: the agent's probe is sized from it until there is a plan, so the rendered pod does
+    # not change (and roll) when a config.json arrives.
+    spec_shape: ModelShape | None = None
 
     @property
     def measure_first(self) -> bool:
@@ -175,6 +277,27 @@ def _unmodelled_options(spec: ServiceSpec) -> str:
     return "; ".join(dict.fromkeys(found))
 
 
+# ---------------------------------------------------------------------------------------------
+# The resolution, once per pass
+
+
+def _spec_shape(spec: ServiceSpec) -> ModelShape | None:
+    """The shape the spec alone names (spec.model.shape over the catalog), before any config.json
+    is read; None for a ConfigMap's model or one the catalog does not know. An impossible shape
+    or split is the spec's own mistake: a SpecError, whatever is read later."""
+    m = spec.model
+    if m.config_map is not None:
+        return None
+    try:
+        shape = resolve_model(m.name, m.shape)
+    except UnknownModelError:
+        return None
+    except ModelError as exc:
+        raise SpecError(f"spec.model: {exc}") from None
+    check_split(shape, spec.tp, spec.pp)
+    return shape
+
+
 def resolve(
     spec: ServiceSpec,
     config_map: ConfigRead | None = None,
@@ -183,6 +306,7 @@ def resolve(
     """The shape to plan with and how it was found. Raises SpecError when the spec itself is
     wrong (an explicit shape that is impossible, a split the model cannot take)."""
     m = spec.model
+    spec_shape = _spec_shape(spec)
     doc: Mapping[str, Any] | None = None
     source = "catalog"
     problem = ""
@@ -200,19 +324,22 @@ def resolve(
         doc, source = learned.config_doc(), "agent"
     if m.shape:
         source = "shape" if doc is None else source
-    try:
-        shape: ModelShape | None = resolve_model(m.name, m.shape, hf_config=doc) if not problem else None
-    except UnknownModelError:
-        shape = None
+    shape: ModelShape | None = None
+    if problem:
+        pass
+    elif doc is None and spec_shape is not None:
+        shape = spec_shape
+    elif doc is None:
         problem = (
             f"model {m.name!r} is not in rankguard's catalog and no config.json has been read yet; the "
             "agent reads it from the serving pod once vLLM has fetched the model"
         )
         source = "none"
-    except InvalidShapeError as exc:
-        if source == "shape" or (m.shape and doc is None):
-            raise SpecError(f"spec.model: {exc}") from None
-        shape, problem = None, f"the model's config.json (from {source}) cannot be read: {exc}"
+    else:
+        try:
+            shape = resolve_model(m.name, m.shape, hf_config=doc)
+        except ModelError as exc:
+            shape, problem = None, f"the model's config.json (from {source}) cannot be read: {exc}"
     if shape is not None:
         check_split(shape, spec.tp, spec.pp)
         if spec.model.quantization is not None and shape.quant is not None:
@@ -237,7 +364,14 @@ def resolve(
         assert shape is not None
         weights = "the checkpoint's headers" if checkpoint is not None else "config.json arithmetic"
         message = f"planned from the {source} shape ({shape.architecture or 'dense'}); weights from {weights}"
-    return ModelResolution(shape=shape, source=source, reason=reason, message=message, checkpoint=checkpoint)
+    return ModelResolution(
+        shape=shape,
+        source=source,
+        reason=reason,
+        message=message,
+        checkpoint=checkpoint,
+        spec_shape=spec_shape,
+    )
 
 
 def model_event(

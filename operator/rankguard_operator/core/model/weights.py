@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankguard_operator.core.model_shape import ModelShape
-from rankguard_operator.core.quantization import QuantScheme
+from rankguard_operator.core.model.quantization import QuantScheme
+from rankguard_operator.core.model.shape import ModelShape
 
 # VocabParallelEmbedding pads the vocabulary to a multiple of 64 before splitting it.
 VOCAB_PADDING = 64

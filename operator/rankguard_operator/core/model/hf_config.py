@@ -19,14 +19,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard_operator.core.model_shape import (
-    MLA,
-    InvalidShapeError,
-    LayerKind,
-    LinearAttention,
-    ModelShape,
-)
-from rankguard_operator.core.quantization import UnknownQuantization, quant_scheme
+from rankguard_operator.core.model.quantization import UnknownQuantization, quant_scheme
+from rankguard_operator.core.model.shape import MLA, InvalidShapeError, LayerKind, LinearAttention, ModelShape
 
 # model_type values whose memory the planner models (the text model's type for multimodal ones)
 DENSE_TYPES = frozenset(
