@@ -31,10 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "agent")]
 
-from rankguard_operator.core.kv_model import stage_kv_layout, stage_range  # noqa: E402
+from rankguard_operator.core.budget.kv_model import stage_kv_layout, stage_range  # noqa: E402  # noqa: E402
+from rankguard_operator.core.budget.planner import Plan, PlanInput, make_plan  # noqa: E402  # noqa: E402
 from rankguard_operator.core.model.catalog import catalog_key, lookup_catalog  # noqa: E402  # noqa: E402
 from rankguard_operator.core.model.shape import ModelShape  # noqa: E402  # noqa: E402
-from rankguard_operator.core.planner import Plan, PlanInput, make_plan  # noqa: E402
 from rankguard_operator.core.units import GiB  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm_observations.json"

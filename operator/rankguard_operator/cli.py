@@ -6,165 +6,25 @@
     rankguard render -f llmservice.yaml [--check]   the Deployment and Service it would apply
     rankguard --version
 
-Exit codes: 0 a feasible plan; 1 a plan was computed but cannot serve one request at
-max_model_len (printed anyway, with the reason); 2 bad input (unknown model, bad flag),
-reported as one line on stderr.
+Exit codes: 0 success (a feasible plan); 1 a plan that cannot serve one request at max_model_len
+(printed anyway, with the reason), or a problem `render --check` found; 2 bad input (unknown
+model, bad flag), reported as one line on stderr; 3 a model rankguard does not plan from priors.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from rankguard_operator import __version__
+from rankguard_operator.cli_plan import CLIError, UnmodelledError, add_plan
 from rankguard_operator.cli_render import RenderError, add_render
-from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
-from rankguard_operator.core.kv_model import default_block_size
-from rankguard_operator.core.memory_model import DEFAULT_BLOCK_SIZE, PlanError
-from rankguard_operator.core.model.resolve import resolve_model
+from rankguard_operator.core.budget.memory_model import PlanError
 from rankguard_operator.core.model.shape import ModelError
-from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
-from rankguard_operator.core.spec.crd import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_SAFETY_MARGIN_BYTES,
-    LOGITS_MODES,
-    SHAPE_OVERRIDE_KEYS,
-)
-from rankguard_operator.core.units import QuantityError, format_bytes, parse_bytes
 
 PROG = "rankguard"
-
-
-class UnmodelledError(Exception):
-    """The model's architecture is not modelled: planning it from priors would be a guess."""
-
-
-class CLIError(Exception):
-    """Bad input found after argument parsing; main prints it as one line and exits 2."""
-
-
-def _bytes_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except QuantityError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
-
-
-def _rank_bytes(text: str) -> tuple[int, int]:
-    rank, sep, value = text.partition("=")
-    if not sep or not rank.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK=BYTES, e.g. 0=74.2GiB")
-    return int(rank), _bytes_arg(value)
-
-
-def _shape_item(text: str) -> tuple[str, int | bool]:
-    key, sep, value = text.partition("=")
-    if not sep or key not in SHAPE_OVERRIDE_KEYS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected KEY=VALUE with KEY one of {', '.join(SHAPE_OVERRIDE_KEYS)}"
-        )
-    if key == "tieWordEmbeddings":
-        if value.lower() not in ("true", "false"):
-            raise argparse.ArgumentTypeError(f"{text!r}: tieWordEmbeddings is true or false")
-        return key, value.lower() == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: {key} must be an integer") from None
-
-
-def _add_plan(sub: Any) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="plan the per-rank KV-cache budget for a vLLM deployment",
-        description=(
-            "Estimate every rank's non-KV memory (weights, logits, sampler, activations, context/NCCL, "
-            "CUDA graphs), name the bottleneck rank, and print the --kv-cache-memory-bytes that fits it."
-        ),
-    )
-    src = p.add_argument_group("model (give --model, --config, or both)")
-    src.add_argument("--model", help="model name, e.g. meta-llama/Meta-Llama-3-70B (built-in catalog)")
-    src.add_argument("--config", type=Path, help="path to the model's Hugging Face config.json")
-    src.add_argument(
-        "--shape",
-        type=_shape_item,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"override one shape field ({', '.join(SHAPE_OVERRIDE_KEYS)}); repeatable",
-    )
-    p.add_argument("--gpu-memory", type=_bytes_arg, required=True, help="total memory of one GPU, e.g. 80GiB")
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (default 1)")
-    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (default 1)")
-    p.add_argument("--dtype", default="auto", help="vLLM --dtype (default auto: 16-bit)")
-    p.add_argument(
-        "--weight-dtype", default="auto", help="weight precision: auto, bfloat16, fp8, int8, int4, ..."
-    )
-    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM --kv-cache-dtype (default auto)")
-    p.add_argument(
-        "--block-size", type=_positive_int, help=f"default: vLLM's ({DEFAULT_BLOCK_SIZE}; 64 for MLA models)"
-    )
-    p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--max-model-len", type=_positive_int, help="default: the model's max_position_embeddings")
-    p.add_argument(
-        "--logits",
-        choices=LOGITS_MODES,
-        default="all-gather",
-        help="where full-vocab logits live: gather (rank 0 only; vLLM v0, the rank-0 OOM article) or "
-        "all-gather (every rank; vLLM v1, the default)",
-    )
-    p.add_argument(
-        "--safety-margin",
-        type=_bytes_arg,
-        default=DEFAULT_SAFETY_MARGIN_BYTES,
-        help=f"bytes kept free on the bottleneck rank (default {format_bytes(DEFAULT_SAFETY_MARGIN_BYTES)})",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
-    p.add_argument(
-        "--measured-free",
-        type=_rank_bytes,
-        action="append",
-        default=[],
-        metavar="RANK=BYTES",
-        help="free memory of RANK after CUDA/NCCL init (replaces the context/NCCL prior); repeatable",
-    )
-    p.add_argument(
-        "--measured-peak",
-        type=_rank_bytes,
-        action="append",
-        default=[],
-        metavar="RANK=BYTES",
-        help="observed peak non-KV memory of RANK, context included (replaces the estimate); repeatable",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=RUNTIME_QUANTIZATION,
-        help="vLLM --quantization on an unquantised checkpoint (the spec's model.quantization)",
-    )
-    p.add_argument(
-        "--allow-unmodelled",
-        action="store_true",
-        help="plan an architecture rankguard does not model from priors anyway (the operator measures "
-        "such a model first instead); without it, rankguard plan refuses with exit code 3",
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=_run_plan)
 
 
 def _run_operator(args: argparse.Namespace, out: TextIO) -> int:
@@ -197,137 +57,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(sub)
-    _add_plan(sub)
+    add_plan(sub)
     add_render(sub)
     return parser
-
-
-def _load_config(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise CLIError(f"cannot read --config {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise CLIError(f"--config {path} is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CLIError(f"--config {path} must hold a JSON object (a Hugging Face config.json)")
-    return doc
-
-
-def _measurements(args: argparse.Namespace) -> tuple[RankMeasurement, ...]:
-    free = dict(args.measured_free)
-    peak = dict(args.measured_peak)
-    return tuple(
-        RankMeasurement(rank=r, free_after_init_bytes=free.get(r), peak_non_kv_bytes=peak.get(r))
-        for r in sorted(set(free) | set(peak))
-    )
-
-
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    if args.model is None and args.config is None:
-        raise CLIError("give --model NAME or --config path/to/config.json")
-    hf_config = _load_config(args.config) if args.config is not None else None
-    name = args.model
-    if name is None:
-        assert hf_config is not None
-        name = str(hf_config.get("_name_or_path") or args.config.resolve().parent.name or "config.json")
-    shape = resolve_model(name, dict(args.shape) or None, hf_config=hf_config)
-    if shape.unmodelled and not args.allow_unmodelled:
-        raise UnmodelledError(
-            f"{shape.unmodelled}: rankguard will not plan it from priors. In a cluster the operator "
-            "measures it first (vLLM's own profile, then an explicit budget); pass --allow-unmodelled "
-            "to see the prior plan anyway"
-        )
-    return make_plan(
-        PlanInput(
-            shape=shape,
-            gpu_memory_bytes=args.gpu_memory,
-            tp=args.tp,
-            pp=args.pp,
-            dtype=args.dtype,
-            weight_dtype=args.weight_dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size or default_block_size(shape),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            logits_mode=args.logits,
-            safety_margin_bytes=args.safety_margin,
-            enforce_eager=args.enforce_eager,
-            measured=_measurements(args),
-            quantization=args.quantization,
-        )
-    )
-
-
-# (m) measured by rankguard; (e) the engine's own per-worker report
-_NON_KV_MARK: dict[str, str] = {"estimate": "", "engine": " (e)"}
-
-_COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
-    ("STAGE", lambda r: str(r.pp_stage)),
-    ("WEIGHTS", lambda r: format_bytes(r.weights_bytes)),
-    ("LOGITS", lambda r: format_bytes(r.logits_bytes)),
-    ("SAMPLER", lambda r: format_bytes(r.sampler_bytes)),
-    ("ACTIVATIONS", lambda r: format_bytes(r.activation_bytes)),
-    ("CTX+NCCL", lambda r: format_bytes(r.context_bytes) + ("" if r.context_source == "prior" else " (m)")),
-    ("CUDA-GRAPHS", lambda r: format_bytes(r.cudagraph_bytes)),
-    ("NON-KV", lambda r: format_bytes(r.non_kv_bytes) + _NON_KV_MARK.get(r.non_kv_source, " (m)")),
-    ("SAFE-KV", lambda r: format_bytes(r.safe_kv_bytes)),
-    ("HEADROOM", lambda r: format_bytes(r.headroom_bytes)),
-)
-
-
-def render_plan(plan: Plan, out: TextIO) -> None:
-    """The human-readable plan: one header line, the per-rank table, the budget, the flags."""
-    i = plan.inputs
-    w = out.write
-    w(
-        f"{i.shape.name}: TP {i.tp}"
-        + (f" x PP {i.pp}" if i.pp > 1 else "")
-        + f", {format_bytes(i.gpu_memory_bytes)} per GPU, logits {i.logits_mode}, "
-        f"max_num_seqs {i.max_num_seqs}, "
-        f"max_num_batched_tokens {i.max_num_batched_tokens}, max_model_len {plan.max_model_len}\n\n"
-    )
-    header = ["RANK", *(name for name, _ in _COLUMNS)]
-    rows = [
-        [f"{r.rank}{'*' if r.rank == plan.bottleneck_rank else ''}", *(cell(r) for _, cell in _COLUMNS)]
-        for r in plan.ranks
-    ]
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-    for row in [header, *rows]:
-        w("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() + "\n")
-    w("* bottleneck rank; (m) measured, otherwise a documented prior (see rankguard_operator/planner.py)\n\n")
-
-    w(
-        f"KV budget:        {format_bytes(plan.kv_cache_memory_bytes)} per GPU "
-        f"({plan.kv_cache_memory_bytes} bytes), set by rank {plan.bottleneck_rank} "
-        f"minus a {format_bytes(i.safety_margin_bytes)} margin, whole blocks\n"
-    )
-    w(f"KV per token:     {plan.kv_bytes_per_token:,} bytes per rank\n")
-    w(
-        f"Capacity:         {plan.kv_blocks:,} blocks of {i.block_size} = {plan.kv_tokens:,} tokens; "
-        f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens per request\n"
-    )
-    w(
-        f"Lost to skew:     {format_bytes(plan.skew_loss_bytes)} per GPU ({plan.skew_loss_tokens:,} tokens) "
-        "compared with a budget sized for the least-loaded rank\n"
-    )
-    w(
-        f"Utilization:      --gpu-memory-utilization {plan.gpu_memory_utilization:.4f} would give "
-        f"{format_bytes(plan.utilization_kv_bytes)} of KV (prefer the explicit budget)\n\n"
-    )
-    w("Flags:\n  " + " ".join(plan.vllm_flags()) + "\n")
-    for warning in plan.warnings:
-        w(f"\nwarning: {warning}\n")
-
-
-def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
-    plan = plan_from_args(args)
-    if args.json:
-        out.write(json.dumps(plan.to_dict(), indent=2) + "\n")
-    else:
-        render_plan(plan, out)
-    return 0 if plan.feasible else 1
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:

@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 from operator_world import ReportServer, World, operator, service_doc, valid_report, vllm_container
 from prometheus_client import REGISTRY
 
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.names import cache_claim_name
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import MiB

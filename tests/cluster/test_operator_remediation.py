@@ -26,7 +26,7 @@ from operator_world import (
 )
 
 from rankguard_operator.core import render
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION, REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.spec.parse import parse_spec

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_operator.core.kv_model import min_budget_for_one_request
+from rankguard_operator.core.budget.kv_model import min_budget_for_one_request
 from rankguard_operator.core.model.resolve import resolve
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.cluster import ControlPlane

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import aggregate
 from rankguard_operator.core.observe import (

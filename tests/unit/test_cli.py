@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rankguard_operator.cli import main
+from rankguard_operator.cli_plan import plan_doc
+from rankguard_operator.core.budget.planner import PlanInput, make_plan
 from rankguard_operator.core.model.resolve import resolve_model
-from rankguard_operator.core.planner import PlanInput, make_plan
+from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.units import GiB
 
 ISSUE_EXAMPLE = [
@@ -37,7 +40,7 @@ def test_json_output_matches_the_planner(capsys: pytest.CaptureFixture[str]) -> 
     rc, out, err = run(capsys, *ISSUE_EXAMPLE, "--json")
     assert rc == 0, err
     doc = json.loads(out)
-    expected = make_plan(
+    plan = make_plan(
         PlanInput(
             shape=resolve_model("meta-llama/Meta-Llama-3-70B"),
             gpu_memory_bytes=80 * GiB,
@@ -45,8 +48,10 @@ def test_json_output_matches_the_planner(capsys: pytest.CaptureFixture[str]) -> 
             max_num_seqs=128,
             logits_mode="gather",
         )
-    ).to_dict()
-    assert doc == json.loads(json.dumps(expected))
+    )
+    assert doc == json.loads(json.dumps(plan_doc(plan, doc["flags"])))
+    assert doc["kv_cache_memory_bytes"] == plan.kv_cache_memory_bytes
+    assert len(doc["ranks"]) == 8 and all(isinstance(r["non_kv_bytes"], int) for r in doc["ranks"])
     assert doc["bottleneck_rank"] == 0
     assert doc["kv_bytes_per_token"] == 40_960
     assert doc["ranks"][0]["logits_bytes"] - doc["ranks"][1]["logits_bytes"] == 57_458_688
@@ -283,4 +288,87 @@ def test_an_unmodelled_architecture_is_refused_unless_allowed(
     assert rc == 3
     assert "RwkvForCausalLM (rwkv) is not modelled" in err and "--allow-unmodelled" in err
     rc, out, _ = run(capsys, "plan", "--config", str(path), "--gpu-memory", "80Gi", "--allow-unmodelled")
-    assert rc == 0 and "Flags:" in out
+    assert rc == 0 and "Flags (the vLLM command line the operator deploys):" in out
+
+
+# `rankguard plan` and `rankguard render`: one renderer, so the same spec gives the same vLLM flags.
+PLAN_VS_RENDER: list[tuple[str, dict[str, object], list[str]]] = [
+    (
+        "70b tp4 defaults",
+        {"model": {"name": "meta-llama/Meta-Llama-3-70B-Instruct"}, "tensorParallelSize": 4},
+        ["--model", "meta-llama/Meta-Llama-3-70B-Instruct", "--tp", "4"],
+    ),
+    (
+        "8b tp2 pp2, fp8 KV, eager, gather, a block size",
+        {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "tensorParallelSize": 2,
+            "pipelineParallelSize": 2,
+            "engine": {
+                "maxNumSeqs": 64,
+                "maxNumBatchedTokens": 4096,
+                "maxModelLen": 8192,
+                "kvCacheDtype": "fp8",
+                "blockSize": 32,
+                "enforceEager": True,
+                "logitsMode": "gather",
+            },
+            "memory": {"safetyMarginBytes": 1 << 30},
+        },
+        [
+            "--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--tp", "2", "--pp", "2",
+            "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "8192",
+            "--kv-cache-dtype", "fp8", "--block-size", "32", "--enforce-eager", "--logits", "gather",
+            "--safety-margin", "1GiB",
+        ],
+    ),
+    (
+        "runtime fp8 weights, bfloat16",
+        {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct", "quantization": "fp8"},
+            "engine": {"dtype": "bfloat16", "maxModelLen": 4096},
+        },
+        [
+            "--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--quantization", "fp8",
+            "--dtype", "bfloat16", "--max-model-len", "4096",
+        ],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "spec", "plan_args"), PLAN_VS_RENDER, ids=[c[0] for c in PLAN_VS_RENDER])
+def test_plan_prints_the_flags_render_deploys_for_the_same_spec(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    spec: dict[str, object],
+    plan_args: list[str],
+) -> None:
+    doc = {
+        "apiVersion": "rankguard.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "svc"},
+        "spec": {**spec, "image": "vllm/vllm-openai:v0.33.0", "memory": {
+            **dict(spec.get("memory") or {}),  # type: ignore[call-overload]
+            "gpuMemoryBytes": 80 * GiB,
+        }},
+    }  # fmt: skip
+    path = tmp_path / "svc.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rc, out, err = run(capsys, "render", "-f", str(path))
+    assert rc == 0, err
+    [deployment] = [d for d in yaml.safe_load_all(out) if d["kind"] == "Deployment"]
+    rendered = served_argv(deployment["spec"]["template"]["spec"])
+    rc, out, err = run(capsys, "plan", *plan_args, "--gpu-memory", "80GiB", "--json")
+    assert rc == 0, err
+    planned = json.loads(out)["flags"]
+    assert planned == rendered
+    assert "--kv-cache-memory-bytes" in planned and "--gpu-memory-utilization" in planned
+    # and the table prints the same command line
+    rc, out, _ = run(capsys, "plan", *plan_args, "--gpu-memory", "80GiB")
+    assert "vllm " + " ".join(rendered) in out
+
+
+def test_plan_refuses_a_value_the_operator_would_refuse(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, *ISSUE_EXAMPLE, "--block-size", "24")
+    assert rc == 2 and "spec.engine.blockSize must be one of" in err

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_operator.core.budget import prior_plan
-from rankguard_operator.core.memory_model import kv_dtype_bytes
+from rankguard_operator.core.budget.bounds import prior_plan
+from rankguard_operator.core.budget.memory_model import kv_dtype_bytes
+from rankguard_operator.core.budget.planner import PlanInput
 from rankguard_operator.core.model.resolve import REQUIRED_OVERRIDE_KEYS
-from rankguard_operator.core.planner import PlanInput
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,

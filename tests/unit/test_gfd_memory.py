@@ -19,8 +19,8 @@ from reconcile_world import SETTINGS, SPEC, Cluster, flags_of, report, vllm_argv
 
 from rankguard_agent.report import Report
 from rankguard_operator.core import reconcile
-from rankguard_operator.core.budget import measured_plan, prior_plan
-from rankguard_operator.core.gpu_labels import (
+from rankguard_operator.core.budget.bounds import measured_plan, prior_plan
+from rankguard_operator.core.budget.gpu_labels import (
     NodeGpu,
     gpu_from_nodes,
     node_gpu_memory,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankguard_operator.core.kv_layout import NULL_BLOCKS, KVLayout, LayerKV, kv_layout
+from rankguard_operator.core.budget.kv_layout import NULL_BLOCKS, KVLayout, LayerKV, kv_layout
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_kv_layouts.json"
 DOC: dict[str, Any] = json.loads(FIXTURE.read_text())

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.kv_model import kv_bytes_per_token, stage_kv_layout
-from rankguard_operator.core.memory_model import weight_bytes
+from rankguard_operator.core.budget.kv_model import kv_bytes_per_token, stage_kv_layout
+from rankguard_operator.core.budget.memory_model import weight_bytes
 from rankguard_operator.core.model.catalog import CATALOG, CATALOG_ENTRIES
 from rankguard_operator.core.model.hf_config import shape_from_hf_config
 from rankguard_operator.core.model.shape import InvalidShapeError

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from rankguard_agent.model_files import read_model_files
-from rankguard_operator.core.budget import initial_plan, prior_plan
-from rankguard_operator.core.memory_model import pp_layer_partition, weight_bytes
+from rankguard_operator.core.budget.bounds import initial_plan, prior_plan
+from rankguard_operator.core.budget.memory_model import pp_layer_partition, weight_bytes
 from rankguard_operator.core.model.catalog import CATALOG, CATALOG_ENTRIES
 from rankguard_operator.core.model.checkpoint import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.model.resolve import (

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.render import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec

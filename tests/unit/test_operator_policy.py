@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.core.budget import (
+from rankguard_operator.core.budget.bounds import (
     block_unit,
     budget_key,
     initial_plan,
@@ -28,11 +28,11 @@ from rankguard_operator.core.budget import (
     round_down,
     utilization_kv_bytes,
 )
+from rankguard_operator.core.budget.planner import Plan, RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation, RankHeadroom
 from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe import RolloutState, Termination
-from rankguard_operator.core.planner import Plan, RankMeasurement
 from rankguard_operator.core.policy import (
     Decision,
     PolicyInput,

@@ -26,7 +26,7 @@ from reconcile_world import (
 )
 
 from rankguard_operator.core import reconcile
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.effects import ApplyDeployment, PostEvent, WriteIntent
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
+from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.owned_flags import owned_spellings
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
-from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankguard_operator.core.budget import (
+from rankguard_operator.core.budget.bounds import (
     VLLM_DEFAULT_UTILIZATION,
     initial_plan,
     prior_plan,

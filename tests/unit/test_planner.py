@@ -6,18 +6,17 @@ hand-computed figures they are checked against. Properties are in test_planner_p
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 
 import pytest
 
-from rankguard_operator.core.kv_model import (
+from rankguard_operator.core.budget.kv_model import (
     capacity_for_budget,
     kv_bytes_per_token,
     min_budget_for_one_request,
 )
-from rankguard_operator.core.memory_model import (
+from rankguard_operator.core.budget.memory_model import (
     CONTEXT_PRIOR_BYTES,
     CUDAGRAPH_PRIOR_BYTES,
     PP_TERMINAL_COMM_PRIOR_BYTES,
@@ -27,10 +26,10 @@ from rankguard_operator.core.memory_model import (
     pp_layer_partition,
     weight_bytes,
 )
+from rankguard_operator.core.budget.planner import PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.model.catalog import CATALOG
 from rankguard_operator.core.model.resolve import resolve_model
 from rankguard_operator.core.model.shape import ModelShape
-from rankguard_operator.core.planner import PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB, MiB
 
 L3_70B = CATALOG["llama-3-70b"]
@@ -436,46 +435,6 @@ def test_shape_without_max_len_needs_one() -> None:
     with pytest.raises(PlanError, match="--max-model-len"):
         make_plan(PlanInput(shape=shape, gpu_memory_bytes=80 * GiB))
     assert make_plan(PlanInput(shape=shape, gpu_memory_bytes=80 * GiB, max_model_len=4096)).feasible
-
-
-# --- output ------------------------------------------------------------------------------
-
-
-def test_to_dict_has_the_documented_keys_and_is_json() -> None:
-    plan = make_plan(plan70b(logits_mode="gather"))
-    doc = json.loads(json.dumps(plan.to_dict()))
-    for key in (
-        "ranks",
-        "bottleneck_rank",
-        "kv_bytes_per_token",
-        "kv_cache_memory_bytes",
-        "gpu_memory_utilization",
-        "kv_tokens",
-        "max_concurrency",
-        "kv_blocks",
-        "skew_loss_bytes",
-        "skew_loss_tokens",
-        "flags",
-    ):
-        assert key in doc, key
-    assert len(doc["ranks"]) == 8
-    for r in doc["ranks"]:
-        for key in ("rank", "weights_bytes", "logits_bytes", "non_kv_bytes", "safe_kv_bytes"):
-            assert isinstance(r[key], int), key
-    assert doc["ranks"][0]["logits_bytes"] - doc["ranks"][1]["logits_bytes"] == 57_458_688
-    assert doc["kv_cache_memory_bytes"] == plan.kv_cache_memory_bytes
-
-
-def test_vllm_flags() -> None:
-    plan = make_plan(plan70b(kv_cache_dtype="fp8", enforce_eager=True, pp=2, tp=4))
-    flags = plan.vllm_flags()
-    pairs = dict(zip(flags[::2], flags[1::2], strict=False))
-    assert pairs["--tensor-parallel-size"] == "4"
-    assert pairs["--pipeline-parallel-size"] == "2"
-    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(plan.kv_cache_memory_bytes)
-    assert flags[flags.index("--kv-cache-dtype") + 1] == "fp8"
-    assert "--enforce-eager" in flags
-    assert "--gpu-memory-utilization" not in flags  # the explicit budget replaces it
 
 
 def test_the_engines_own_non_kv_figure_may_tighten_a_rank_never_loosen_it() -> None:

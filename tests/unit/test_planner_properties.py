@@ -8,11 +8,12 @@ from dataclasses import replace
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rankguard_operator.core.kv_model import kv_bytes_per_token, stage_kv_layout, stage_range
-from rankguard_operator.core.memory_model import activation_bytes, weight_bytes
+from rankguard_operator.cli_plan import plan_doc
+from rankguard_operator.core.budget.kv_model import kv_bytes_per_token, stage_kv_layout, stage_range
+from rankguard_operator.core.budget.memory_model import activation_bytes, weight_bytes
+from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.model.catalog import CATALOG
 from rankguard_operator.core.model.shape import ModelShape
-from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.units import GiB
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
@@ -150,7 +151,7 @@ def test_capacity_is_consistent(inp: PlanInput) -> None:
         assert plan.kv_tokens <= plan.kv_blocks * inp.block_size  # full attention: whole blocks
     assert plan.feasible == (plan.kv_cache_memory_bytes >= plan.min_kv_cache_memory_bytes > 0)
     assert plan.skew_loss_bytes >= 0 and plan.skew_loss_tokens >= 0
-    json.dumps(plan.to_dict())  # always serialisable
+    json.dumps(plan_doc(plan, []))  # `rankguard plan --json` can always print it
 
 
 @settings(max_examples=200)

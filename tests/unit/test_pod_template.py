@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import TEMPLATE_HASH_ANNOTATION, labels
 from rankguard_operator.core.render import render_cache_claim, render_deployment, served_argv

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rankguard_operator import vllm_snapshots
-from rankguard_operator.core.budget import prior_plan
+from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.owned_flags import (
     OWNED,
     check_extra_args,

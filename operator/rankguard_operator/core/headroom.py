@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from rankguard_agent.recognisers import AVAILABLE_KV
 from rankguard_agent.report import EngineMemory, Report
-from rankguard_operator.core.planner import RankMeasurement
+from rankguard_operator.core.budget.planner import RankMeasurement
 
 ReportInput = tuple[str, Report, float]  # (pod name, validated report, received_at epoch seconds)
 

@@ -32,8 +32,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rankguard_operator.core import blockers, observe, pod_world, policy, render, status
-from rankguard_operator.core.budget import budget_key, measured_plan, prior_plan
+from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
+from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
+from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
+from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.degraded import degraded_event, said_before
 from rankguard_operator.core.effects import (
     ApplyDeployment,
     ApplyService,
@@ -44,13 +48,10 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
-from rankguard_operator.core.failing import check_budget_fits, degraded_event, gpu_size, said_before
-from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.history import history_from_status
 from rankguard_operator.core.model import resolve as model_source
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
-from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec

@@ -27,7 +27,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard_operator.core.budget import startup_utilization
+from rankguard_operator.core.budget.bounds import startup_utilization
+from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import resolve_model
 from rankguard_operator.core.model.shape import ModelError, ModelShape
@@ -49,7 +50,6 @@ from rankguard_operator.core.names import (
     selector,
     service_name,
 )
-from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.spec.template import CACHE_ENV, apply_template
 from rankguard_operator.core.units import format_quantity

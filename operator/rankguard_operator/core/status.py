@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rankguard_operator.core.budget import equivalent_utilization, is_measured, utilization_kv_bytes
+from rankguard_operator.core.budget.bounds import equivalent_utilization, is_measured, utilization_kv_bytes
+from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.observe import RolloutState
-from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.render import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec

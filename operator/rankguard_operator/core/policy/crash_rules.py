@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from rankguard_operator.core.budget import kv_floor
+from rankguard_operator.core.budget.bounds import kv_floor
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe import (
     CUDA_OOM,

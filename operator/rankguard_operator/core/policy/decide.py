@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from rankguard_operator.core.budget import budget_key
+from rankguard_operator.core.budget.bounds import budget_key
 from rankguard_operator.core.observe import (
     CUDA_OOM,
     ENGINE_ERROR,

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.headroom import Observation
 from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe import OOM_KILLED, RolloutState, Termination
-from rankguard_operator.core.planner import Plan
 from rankguard_operator.core.spec.parse import ServiceSpec
 
 Action = Literal[

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankguard_operator.core.budget import block_unit, is_measured, kv_floor, round_down
+from rankguard_operator.core.budget.bounds import block_unit, is_measured, kv_floor, round_down
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy.budget_change import floor_reason
 from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision

@@ -1,5 +1,4 @@
-"""Failing loudly, and once (DESIGN §7): budgets no GPU can run refused before anything is
-deployed, and one Event per change of the Degraded condition rather than one per pass.
+"""Budgets no GPU can run, refused before anything is deployed (DESIGN §7, fail loudly and once).
 
 * `gpu_size`: one GPU's memory as far as anything says (the spec, what the agents measured and
   status keeps, the nodes' GPU Feature Discovery labels), with where it comes from.
@@ -7,9 +6,6 @@ deployed, and one Event per change of the Degraded condition rather than one per
   maxModelLen (the model's own KV layout): a pinned budget vLLM would refuse at start-up, a
   floor no GPU of this size can hold. Raises `SpecError`, so the step refuses the spec (phase
   Failed, reason InvalidSpec) and applies nothing.
-* `degraded_event`: the Warning Event for a Degraded condition that became True or changed its
-  reason in this pass; a state that lasts is said once. The previous condition, as stored,
-  says what was said (as core/pod_world does for AgentReady and ModelCacheReady).
 
 Pure: no I/O, no clock.
 """
@@ -17,14 +13,10 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
-from rankguard_operator.core.conditions import Condition, condition
-from rankguard_operator.core.effects import PostEvent
-from rankguard_operator.core.gpu_labels import NodeGpu, planning_gpu_bytes
-from rankguard_operator.core.kv_model import default_block_size, resolve_max_model_len, stage_layouts
-from rankguard_operator.core.memory_model import PlanError
+from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes
+from rankguard_operator.core.budget.kv_model import default_block_size, resolve_max_model_len, stage_layouts
+from rankguard_operator.core.budget.memory_model import PlanError
 from rankguard_operator.core.model.resolve import ModelResolution
 from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.spec.fields import SpecError
@@ -140,38 +132,3 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
             "lower spec.engine.maxModelLen, spread the model over more GPUs "
             "(spec.tensorParallelSize, spec.pipelineParallelSize), or set spec.engine.kvCacheDtype: fp8"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# One Event per change
-
-
-def degraded_event(
-    stored: Sequence[Mapping[str, Any]],
-    new: Sequence[Mapping[str, Any]],
-    posted: Iterable[str] = (),
-) -> PostEvent | None:
-    """The Warning Event for Degraded when this pass made it True or changed its reason; None
-    when it says what the stored condition said, or when an Event of that reason was already
-    posted in this pass (a decision's own)."""
-    now = condition(new, Condition.DEGRADED)
-    if now is None or now.get("status") != "True":
-        return None
-    before = condition(stored, Condition.DEGRADED)
-    reason = str(now.get("reason") or "Degraded")
-    if before is not None and before.get("status") == "True" and before.get("reason") == reason:
-        return None
-    if reason in set(posted):
-        return None
-    return PostEvent("Warning", reason, str(now.get("message") or ""), repeat=True)
-
-
-def said_before(stored: Sequence[Mapping[str, Any]], reason: str, message: str) -> bool:
-    """The stored Degraded condition already says exactly this (an invalid spec re-read)."""
-    before = condition(stored, Condition.DEGRADED)
-    return (
-        before is not None
-        and before.get("status") == "True"
-        and before.get("reason") == reason
-        and before.get("message") == message
-    )

@@ -25,9 +25,6 @@ from rankguard_operator.core.units import GiB, MiB
 # vLLM's block size when --block-size is not given (CacheConfig.DEFAULT_BLOCK_SIZE); rankguard
 # renders --block-size only when the spec sets it, so vLLM's own choice stands otherwise.
 DEFAULT_BLOCK_SIZE = vllm_snapshots.latest().default_block_size
-# Blocks the block pool holds back for good (vLLM >= 0.33's "null block", reserved before the
-# too-small check): a budget must hold one request's blocks PLUS these, or vLLM refuses to start.
-NULL_BLOCKS = vllm_snapshots.latest().null_blocks
 
 # --------------------------------------------------------------------------------------------
 # Priors: used only where a rank has no measurement. Each says where its figure comes from.

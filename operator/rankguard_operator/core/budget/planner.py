@@ -22,8 +22,6 @@ API
                                  #   CUDA graphs, non-KV total, safe KV, headroom at the budget
     plan.gpu_memory_utilization  # the equivalent --gpu-memory-utilization (when one exists)
     plan.kv_blocks, plan.kv_tokens, plan.max_concurrency, plan.skew_loss_bytes
-    plan.vllm_flags()            # ["--tensor-parallel-size", "8", "--kv-cache-memory-bytes", ...]
-    plan.to_dict()               # the JSON of `rankguard plan --json`
 
 Measurements replace priors rank by rank: `RankMeasurement(rank, total_bytes=...,
 free_after_init_bytes=...)` (free memory after CUDA context + NCCL init, e.g. the agent's
@@ -45,10 +43,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from rankguard_operator.core.kv_layout import KVLayout
-from rankguard_operator.core.kv_model import (
+from rankguard_operator.core.budget.kv_layout import KVLayout
+from rankguard_operator.core.budget.kv_model import (
     capacity_of,
     layer_kv,
     resolve_max_model_len,
@@ -56,7 +53,7 @@ from rankguard_operator.core.kv_model import (
     stage_layers,
     stage_range,
 )
-from rankguard_operator.core.memory_model import (
+from rankguard_operator.core.budget.memory_model import (
     CUDAGRAPH_PRIOR_BYTES,
     DEFAULT_BLOCK_SIZE,
     LOGITS_BYTES_PER_VALUE,
@@ -192,90 +189,6 @@ class Plan:
         """Blocks, tokens and max concurrency a per-GPU budget buys under this plan, as vLLM
         prints them."""
         return capacity_of(self.layouts, budget_bytes, self.max_model_len)
-
-    def vllm_flags(self) -> list[str]:
-        """The vLLM flags this plan is valid for, budget included."""
-        i = self.inputs
-        flags = ["--tensor-parallel-size", str(i.tp)]
-        if i.pp > 1:
-            flags += ["--pipeline-parallel-size", str(i.pp)]
-        flags += [
-            "--kv-cache-memory-bytes",
-            str(self.kv_cache_memory_bytes),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(i.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(i.max_num_batched_tokens),
-            "--block-size",
-            str(i.block_size),
-        ]
-        if i.dtype != "auto":
-            flags += ["--dtype", i.dtype]
-        if i.kv_cache_dtype != "auto":
-            flags += ["--kv-cache-dtype", i.kv_cache_dtype]
-        if i.enforce_eager:
-            flags.append("--enforce-eager")
-        return flags
-
-    def to_dict(self) -> dict[str, Any]:
-        i = self.inputs
-        return {
-            "model": i.shape.name,
-            "tp": i.tp,
-            "pp": i.pp,
-            "logits_mode": i.logits_mode,
-            "gpu_memory_bytes": i.gpu_memory_bytes,
-            "dtype": i.dtype,
-            "kv_cache_dtype": i.kv_cache_dtype,
-            "block_size": i.block_size,
-            "max_num_seqs": i.max_num_seqs,
-            "max_num_batched_tokens": i.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "safety_margin_bytes": i.safety_margin_bytes,
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "pp_stage": r.pp_stage,
-                    "tp_rank": r.tp_rank,
-                    "layers": r.layers,
-                    "total_bytes": r.total_bytes,
-                    "weights_bytes": r.weights_bytes,
-                    "weights_source": r.weights_source,
-                    "logits_bytes": r.logits_bytes,
-                    "sampler_bytes": r.sampler_bytes,
-                    "activation_bytes": r.activation_bytes,
-                    "context_bytes": r.context_bytes,
-                    "context_source": r.context_source,
-                    "cudagraph_bytes": r.cudagraph_bytes,
-                    "non_kv_bytes": r.non_kv_bytes,
-                    "non_kv_source": r.non_kv_source,
-                    "safe_kv_bytes": r.safe_kv_bytes,
-                    "kv_bytes_per_token": r.kv_bytes_per_token,
-                    "blocks": r.blocks,
-                    "headroom_bytes": r.headroom_bytes,
-                }
-                for r in self.ranks
-            ],
-            "bottleneck_rank": self.bottleneck_rank,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "block_bytes": self.block_bytes,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "kv_cache_memory": format_bytes(self.kv_cache_memory_bytes),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "utilization_kv_bytes": self.utilization_kv_bytes,
-            "kv_blocks": self.kv_blocks,
-            "kv_tokens": self.kv_tokens,
-            "max_concurrency": round(self.max_concurrency, 2),
-            "min_kv_cache_memory_bytes": self.min_kv_cache_memory_bytes,
-            "naive_kv_cache_memory_bytes": self.naive_kv_cache_memory_bytes,
-            "skew_loss_bytes": self.skew_loss_bytes,
-            "skew_loss_tokens": self.skew_loss_tokens,
-            "feasible": self.feasible,
-            "warnings": list(self.warnings),
-            "flags": self.vllm_flags(),
-        }
 
 
 # --------------------------------------------------------------------------------------------

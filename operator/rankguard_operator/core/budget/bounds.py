@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from rankguard_operator.core.kv_model import default_block_size
-from rankguard_operator.core.memory_model import PlanError, act_bytes, pp_layer_partition
+from rankguard_operator.core.budget.kv_model import default_block_size
+from rankguard_operator.core.budget.memory_model import PlanError, act_bytes, pp_layer_partition
+from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.model.checkpoint import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.model.resolve import ModelResolution, resolve
 from rankguard_operator.core.model.shape import ModelShape
-from rankguard_operator.core.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import MiB

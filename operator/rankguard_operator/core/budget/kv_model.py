@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rankguard_operator.core.kv_layout import KVLayout, LayerKV, kv_layout
-from rankguard_operator.core.memory_model import (
+from rankguard_operator.core.budget.kv_layout import KVLayout, LayerKV, kv_layout
+from rankguard_operator.core.budget.memory_model import (
     DEFAULT_BLOCK_SIZE,
     Capacity,
     PlanError,
