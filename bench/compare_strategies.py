@@ -69,7 +69,7 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import VLLM_CONTAINER
-from rankguard_operator.core.observe import carried_template_hash, deployment_template_hash
+from rankguard_operator.core.observe.pods import carried_template_hash, deployment_template_hash
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.service_state import ServiceState

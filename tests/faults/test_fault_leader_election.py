@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankguard_operator.core.observe import CUDA_OOM
+from rankguard_operator.core.observe.pods import CUDA_OOM
 from rankguard_sim.world import OperatorProcess
 
 from .conftest import Drill, is_ready, revision, service_doc, wait_for, wait_observed

@@ -28,7 +28,7 @@ import pytest
 from kubernetes import client, watch
 
 from rankguard_operator.core.names import LLMSERVICE_LABEL, REMEDIATION_ID_ANNOTATION
-from rankguard_operator.core.observe import CUDA_OOM, terminations
+from rankguard_operator.core.observe.pods import CUDA_OOM, terminations
 from rankguard_sim.waiting import let_time_pass
 
 from .conftest import (

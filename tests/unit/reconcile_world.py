@@ -27,7 +27,7 @@ from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
     TEMPLATE_HASH_ANNOTATION,
 )
-from rankguard_operator.core.observe import deployment_template_hash
+from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.render import served_argv
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.step_io import ReportInput, Settings, Step, World, after_apply

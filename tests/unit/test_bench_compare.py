@@ -18,8 +18,8 @@ import pytest
 
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.headroom import aggregate
-from rankguard_operator.core.observe import (
+from rankguard_operator.core.observe.headroom import aggregate
+from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     deployment_template_hash,
     pod_flags,

@@ -27,7 +27,7 @@ from rankguard_operator.core.budget.gpu_labels import (
     planning_gpu_bytes,
     slice_bytes,
 )
-from rankguard_operator.core.headroom import aggregate, gpu_totals
+from rankguard_operator.core.observe.headroom import aggregate, gpu_totals
 from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step

@@ -20,10 +20,10 @@ from aiohttp import web
 from reconcile_world import SETTINGS, Cluster, pod, report, running
 
 from rankguard_operator.core import reconcile
-from rankguard_operator.core.agent_ready import AgentMiss, clean_agent_error
 from rankguard_operator.core.conditions import condition
 from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
+from rankguard_operator.core.observe.agent_ready import AgentMiss, clean_agent_error
 from rankguard_operator.core.step_io import Step
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.config import ConfigError, OperatorConfig

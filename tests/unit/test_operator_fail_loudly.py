@@ -23,9 +23,9 @@ from reconcile_world import (
 )
 
 from rankguard_operator.core import reconcile
-from rankguard_operator.core.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.effects import ApplyDeployment, Effect, PostEvent, WriteStatus
+from rankguard_operator.core.observe.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step

@@ -10,7 +10,7 @@ import pytest
 from rankguard_agent.termination import TerminationMessage
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
-from rankguard_operator.core.observe import (
+from rankguard_operator.core.observe.pods import (
     carried_template_hash,
     new_terminations,
     pod_flags,

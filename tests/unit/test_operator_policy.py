@@ -30,9 +30,9 @@ from rankguard_operator.core.budget.bounds import (
 )
 from rankguard_operator.core.budget.planner import Plan, RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.headroom import Observation, RankHeadroom
 from rankguard_operator.core.history import Remediation
-from rankguard_operator.core.observe import RolloutState, Termination
+from rankguard_operator.core.observe.headroom import Observation, RankHeadroom
+from rankguard_operator.core.observe.pods import RolloutState, Termination
 from rankguard_operator.core.policy import (
     Decision,
     PolicyInput,

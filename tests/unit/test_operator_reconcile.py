@@ -34,7 +34,7 @@ from rankguard_operator.core.names import (
     TEMPLATE_HASH_ANNOTATION,
     label_value,
 )
-from rankguard_operator.core.observe import deployment_template_hash
+from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import World, after_apply, scrape_targets

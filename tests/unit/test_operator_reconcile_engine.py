@@ -101,7 +101,7 @@ def test_the_engines_own_report_tightens_the_plan_and_survives_a_restart_without
     }
     # the bottleneck's engine figure (others' memory on GPU 0 included) tightens the plan
     from rankguard_operator.core.budget.bounds import measured_plan
-    from rankguard_operator.core.headroom import aggregate, gpu_totals
+    from rankguard_operator.core.observe.headroom import aggregate, gpu_totals
 
     obs = aggregate([(pod_name, report((20 * GiB, 20 * GiB), c.clock), c.clock)], c.clock, 30.0)
     spec = parse_spec(SPEC)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import blockers, observe, pod_world, policy, render, status
+from rankguard_operator.core import pod_world, policy, render, status
 from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
 from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
@@ -48,10 +48,11 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
-from rankguard_operator.core.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.history import history_from_status
-from rankguard_operator.core.model import resolve as model_source
+from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
+from rankguard_operator.core.observe import blockers, pods
+from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
@@ -76,7 +77,7 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     """One pass: finish a pending remediation, observe, decide, act, report."""
     try:
         spec = parse_spec(world.spec)
-        model = model_source.resolve(spec, world.model_config, state.learned_model)
+        model = resolve(spec, world.model_config, state.learned_model)
         node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
         # a budget no start can have is refused before anything is deployed (core/failing)
         check_budget_fits(spec, model, gpu_size(spec, state.gpu_memory_bytes, node_gpu))
@@ -96,7 +97,7 @@ class _Pass:
         settings: Settings,
         spec: ServiceSpec,
         prior: Plan | None,
-        model: model_source.ModelResolution,
+        model: ModelResolution,
         *,
         node_gpu: NodeGpu | None,
     ) -> None:
@@ -144,7 +145,7 @@ class _Pass:
             found = report.model
             if found is None:
                 continue
-            learned = model_source.learned_from_report(
+            learned = learned_from_report(
                 found.config,
                 found.checkpoint.to_doc() if found.checkpoint is not None else None,
                 self.spec.model.name,
@@ -152,7 +153,7 @@ class _Pass:
             if learned is None or learned == self.learned:
                 continue
             self.learned = learned
-            self.model = model_source.resolve(self.spec, self.world.model_config, learned)
+            self.model = resolve(self.spec, self.world.model_config, learned)
             self.prior = prior_plan(self.spec, self.gpu(self.state.gpu_memory_bytes), self.model)
             return
 
@@ -196,16 +197,16 @@ class _Pass:
         self.finish_pending()
 
         # 2. Observe. Only pods of the template in effect speak for the current flags.
-        current_hash = observe.deployment_template_hash(self.render(self.current)) if self.current else None
+        current_hash = pods.deployment_template_hash(self.render(self.current)) if self.current else None
         pods_now = {
             str(p["metadata"]["name"])
             for p in w.pods
-            if observe.pod_ready(p) and observe.carried_template_hash(p) == current_hash
+            if pods.pod_ready(p) and pods.carried_template_hash(p) == current_hash
         }
         reports = [r for r in w.reports if r[0] in pods_now]
         observation = aggregate(reports, w.now, self.settings.stale_after)
-        fresh_terms = observe.new_terminations(w.pods, set(self.handled))
-        rollout = observe.rollout_state(self.deployment, current_hash or "") if self.deployment else None
+        fresh_terms = pods.new_terminations(w.pods, set(self.handled))
+        rollout = pods.rollout_state(self.deployment, current_hash or "") if self.deployment else None
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
         unscheduled = blockers.unschedulable(
@@ -303,7 +304,7 @@ class _Pass:
         want = self.render(self.current)
         if not same_template(self.deployment, want, spec.replicas):
             self.apply(want)
-        rollout = observe.rollout_state(self.deployment, observe.deployment_template_hash(want) or "")
+        rollout = pods.rollout_state(self.deployment, pods.deployment_template_hash(want) or "")
         if first or w.generation != state.observed_generation:
             self.effects.append(ApplyService(render.render_service(w.name, w.namespace, w.uid, spec)))
 
@@ -345,7 +346,7 @@ class _Pass:
             w.generation,
         )
         new_status["model"] = self.model.to_status(self.learned)
-        event = model_source.model_event(state.raw.get("model"), self.model)
+        event = model_event(state.raw.get("model"), self.model)
         if event is not None:
             self.effects.append(PostEvent(*event, repeat=True))
         settled = pod_world.settle(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.conditions import Condition, Phase
-from rankguard_operator.core.observe import CUDA_OOM, OOM_KILLED, Termination
+from rankguard_operator.core.observe.pods import CUDA_OOM, OOM_KILLED, Termination
 from rankguard_operator.core.spec.parse import ServiceSpec
 
 MEMORY_KINDS = (CUDA_OOM, OOM_KILLED)

@@ -13,11 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_agent.report import Report
-from rankguard_operator.core import observe, policy
-from rankguard_operator.core.agent_ready import AgentMiss
+from rankguard_operator.core import policy
 from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model.resolve import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
+from rankguard_operator.core.observe.agent_ready import AgentMiss
+from rankguard_operator.core.observe.pods import (
+    Termination,
+    carried_template_hash,
+    deployment_template_hash,
+    pod_ip,
+    pod_ready,
+)
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
@@ -72,7 +79,7 @@ class Step:
     pass_again_after: float | None = None
     spec: ServiceSpec | None = None  # the spec as this step parsed it (None: refused)
     # the vLLM terminations this step saw for the first time (not yet in handledTerminations)
-    terminations: tuple[observe.Termination, ...] = ()
+    terminations: tuple[Termination, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,9 +122,7 @@ def same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], repli
     if live is None:
         return False
     live_replicas = (live.get("spec") or {}).get("replicas")
-    return observe.deployment_template_hash(live) == observe.deployment_template_hash(want) and (
-        live_replicas == replicas
-    )
+    return deployment_template_hash(live) == deployment_template_hash(want) and (live_replicas == replicas)
 
 
 def scrape_targets(
@@ -130,11 +135,11 @@ def scrape_targets(
         port = parse_spec(world_spec).agent.port
     except SpecError:
         return []
-    live = observe.deployment_template_hash(deployment)
+    live = deployment_template_hash(deployment)
     out = []
     for p in pods:
-        ip = observe.pod_ip(p)
-        if ip and observe.pod_ready(p) and live is not None and observe.carried_template_hash(p) == live:
+        ip = pod_ip(p)
+        if ip and pod_ready(p) and live is not None and carried_template_hash(p) == live:
             out.append((str(p["metadata"]["name"]), ip, port))
     return out
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import kopf
 
-from rankguard_operator.core import ownership, pod_world, reconcile, service_figures
+from rankguard_operator.core import pod_world, reconcile, service_figures
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyClaim,
@@ -41,7 +41,8 @@ from rankguard_operator.core.effects import (
 from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
-from rankguard_operator.core.observe import Termination
+from rankguard_operator.core.observe import ownership
+from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.core.step_io import Settings, Step, World, scrape_targets, with_intent

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from rankguard_operator.core.budget.bounds import kv_floor
 from rankguard_operator.core.history import STATUS_ACTIONS
-from rankguard_operator.core.observe import (
+from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     ENGINE_ERROR,
     KV_CACHE_TOO_SMALL,

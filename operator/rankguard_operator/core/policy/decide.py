@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from rankguard_operator.core.budget.bounds import budget_key
-from rankguard_operator.core.observe import (
+from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     ENGINE_ERROR,
     KV_CACHE_TOO_SMALL,

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from rankguard_operator.core.budget.bounds import block_unit, is_measured, kv_ceiling, round_down
 from rankguard_operator.core.history import STATUS_ACTIONS
-from rankguard_operator.core.observe import Termination
+from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
 from rankguard_operator.core.policy.decision import (
     Decision,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.headroom import Observation
-from rankguard_operator.core.observe import (
+from rankguard_operator.core.observe.headroom import Observation
+from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     ENGINE_ERROR,
     KV_CACHE_TOO_SMALL,

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rankguard_operator.core import observe
 from rankguard_operator.core.conditions import Condition
+from rankguard_operator.core.observe.pods import carried_template_hash, pod_ready
 from rankguard_operator.core.units import parse_iso
 
 CONDITION = Condition.AGENT_READY
@@ -105,9 +105,7 @@ def verdict(
     ready = sorted(
         str(p["metadata"]["name"])
         for p in pods
-        if current_hash is not None
-        and observe.pod_ready(p)
-        and observe.carried_template_hash(p) == current_hash
+        if current_hash is not None and pod_ready(p) and carried_template_hash(p) == current_hash
     )
     if not ready:
         return AgentVerdict(

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rankguard_operator.core.observe import get_path
+from rankguard_operator.core.observe.pods import get_path
 
 # How long a pod must stay unschedulable (with no pod of the service terminating) before the
 # service is Degraded: the scheduler retries a pod within its back-off (at most 10 s) when
