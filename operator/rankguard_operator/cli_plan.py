@@ -28,7 +28,7 @@ from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurem
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import resolve_model
-from rankguard_operator.core.render import vllm_args
+from rankguard_operator.core.render.deployment import vllm_args
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,

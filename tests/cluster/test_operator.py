@@ -37,10 +37,10 @@ from operator_world import (
 from prometheus_client import REGISTRY
 
 from rankguard_agent.report import MAX_REPORT_BYTES
-from rankguard_operator.core import render
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
+from rankguard_operator.core.render.deployment import render_deployment, render_service
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.edge import k8s
 from rankguard_sim.cluster import ControlPlane, free_port
@@ -69,7 +69,7 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
         plan = prior_plan(spec)
         assert plan is not None and flags.kv_cache_memory_bytes == plan.kv_cache_memory_bytes
         uid = created["metadata"]["uid"]
-        want = render.render_deployment(
+        want = render_deployment(
             "svc", world.ns, uid, spec, flags, agent_image=DEFAULT_AGENT_IMAGE, plan=plan
         )
         live = world.deployment("svc")
@@ -113,7 +113,7 @@ def test_applied_service_renders_the_deployment_and_service_it_owns(
 
         service = world.core.read_namespaced_service("svc", world.ns)
         live_service = world.as_dict(service)
-        want_service = render.render_service("svc", world.ns, uid, spec)
+        want_service = render_service("svc", world.ns, uid, spec)
         assert_subset(want_service, live_service)
         assert live_service["spec"]["selector"] == {"app.kubernetes.io/name": "vllm", SERVICE_LABEL: "svc"}
         assert [(p["name"], p["port"], p["targetPort"]) for p in live_service["spec"]["ports"]] == [

@@ -25,10 +25,10 @@ from operator_world import (
     vllm_container,
 )
 
-from rankguard_operator.core import render
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION, REMEDIATION_ID_ANNOTATION
+from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import parse_bytes
 from rankguard_operator.edge import k8s
@@ -201,7 +201,7 @@ def test_restart_after_the_patch_does_not_roll_again(world: World) -> None:
     world.patch_status("svc", {"pendingRemediation": pending_remediation("rg-0002", current, target, key)})
     # The crashed operator had already rolled: the Deployment it applied carries the id.
     spec = parse_spec(world.svc("svc")["spec"])
-    applied = render.render_deployment(
+    applied = render_deployment(
         "svc",
         world.ns,
         created["metadata"]["uid"],

@@ -14,9 +14,9 @@ from reconcile_world import SETTINGS, Cluster
 from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import condition
 from rankguard_operator.core.effects import ApplyClaim
-from rankguard_operator.core.model_cache import claim_to_apply
 from rankguard_operator.core.names import cache_claim_name
 from rankguard_operator.core.pod_world import reads
+from rankguard_operator.core.render.claim import claim_to_apply
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step_io import Step
 

@@ -8,7 +8,7 @@ import pytest
 
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.render import render_deployment
+from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.handlers import service_key, serving_pods

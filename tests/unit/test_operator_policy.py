@@ -30,7 +30,6 @@ from rankguard_operator.core.budget.bounds import (
 )
 from rankguard_operator.core.budget.planner import Plan, RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe.headroom import Observation, RankHeadroom
 from rankguard_operator.core.observe.pods import RolloutState, Termination
 from rankguard_operator.core.policy import (
@@ -41,6 +40,7 @@ from rankguard_operator.core.policy import (
     track_ample_headroom,
     track_low_headroom,
 )
+from rankguard_operator.core.policy.history import Remediation
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.units import GiB, MiB
 

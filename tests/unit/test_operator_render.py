@@ -14,8 +14,14 @@ from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.owned_flags import owned_spellings
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.model.resolve import resolve
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
-from rankguard_operator.core.render import render_deployment, render_service, template_hash, vllm_args
+from rankguard_operator.core.render.deployment import (
+    render_deployment,
+    render_service,
+    template_hash,
+    vllm_args,
+)
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.units import GiB
@@ -56,6 +62,7 @@ def deployment(
         flags or ServingFlags(kv_cache_memory_bytes=KV),
         agent_image="ghcr.io/rankguard/agent:0.1.0",
         plan=plan_of(spec or spec_of()),
+        shape=resolve(spec or spec_of()).spec_shape,  # as the step hands it in
         **kw,
     )
 

@@ -11,10 +11,10 @@ from rankguard_operator.core.budget.kv_model import capacity_for_budget
 from rankguard_operator.core.budget.planner import Plan, RankMeasurement
 from rankguard_operator.core.conditions import phase_for, set_condition
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.observe.headroom import Observation, RankHeadroom
 from rankguard_operator.core.observe.pods import RolloutState, Termination
 from rankguard_operator.core.policy import Decision, PolicyInput, decide
+from rankguard_operator.core.policy.history import Remediation, history_from_status
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status import (
     append_history,

@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rankguard_operator.core import model_cache
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, gpu_from_nodes
 from rankguard_operator.core.conditions import Condition, condition, drop_condition, set_condition
 from rankguard_operator.core.effects import ApplyClaim, PostEvent
 from rankguard_operator.core.observe import agent_ready
 from rankguard_operator.core.observe.headroom import Observation
+from rankguard_operator.core.render import claim as model_cache
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.step_io import World

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import pod_world, policy, render, status
+from rankguard_operator.core import pod_world, policy, status
 from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
 from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
@@ -48,11 +48,12 @@ from rankguard_operator.core.effects import (
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
-from rankguard_operator.core.history import history_from_status
 from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.observe import blockers, pods
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
+from rankguard_operator.core.policy.history import history_from_status
+from rankguard_operator.core.render.deployment import render_deployment, render_service
 from rankguard_operator.core.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
@@ -123,7 +124,7 @@ class _Pass:
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
         w = self.world
-        return render.render_deployment(
+        return render_deployment(
             w.name,
             w.namespace,
             w.uid,
@@ -133,6 +134,7 @@ class _Pass:
             plan=self.prior,
             revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
             startup_free_bytes=self.startup_free,
+            shape=self.model.spec_shape,
         )
 
     def learn_model(self, reports: Sequence[ReportInput]) -> None:
@@ -306,7 +308,7 @@ class _Pass:
             self.apply(want)
         rollout = pods.rollout_state(self.deployment, pods.deployment_template_hash(want) or "")
         if first or w.generation != state.observed_generation:
-            self.effects.append(ApplyService(render.render_service(w.name, w.namespace, w.uid, spec)))
+            self.effects.append(ApplyService(render_service(w.name, w.namespace, w.uid, spec)))
 
         # 5. Report (written only when something changed).
         ready = int(((self.deployment or {}).get("status") or {}).get("readyReplicas") or 0)

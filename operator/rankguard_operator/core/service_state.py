@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model.resolve import LearnedModel
+from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.units import parse_iso
 
 

@@ -17,11 +17,11 @@ from rankguard_operator.core.budget.bounds import equivalent_utilization, is_mea
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import Remediation, history_from_status
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.policy import Decision
-from rankguard_operator.core.render import vllm_args
+from rankguard_operator.core.policy.history import Remediation, history_from_status
+from rankguard_operator.core.render.deployment import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 

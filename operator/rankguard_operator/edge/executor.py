@@ -38,11 +38,11 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
-from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import ownership
 from rankguard_operator.core.observe.pods import Termination
+from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.status import status_patch
 from rankguard_operator.core.step_io import Settings, Step, World, scrape_targets, with_intent

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from rankguard_operator.core.budget.bounds import block_unit, kv_floor, round_down, utilization_kv_bytes
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
+from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.tunables import KNOBS, T_CUDA_OOM
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes

@@ -8,7 +8,6 @@ import re
 from collections.abc import Sequence
 
 from rankguard_operator.core.budget.bounds import kv_floor
-from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     ENGINE_ERROR,
@@ -24,6 +23,7 @@ from rankguard_operator.core.policy.decision import (
     make_decision,
     rank_text,
 )
+from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.tunables import (
     KNOBS,
     T_CUDA_OOM,

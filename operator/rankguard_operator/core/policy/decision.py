@@ -8,9 +8,9 @@ from typing import Literal
 
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.history import Remediation
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import OOM_KILLED, RolloutState, Termination
+from rankguard_operator.core.policy.history import Remediation
 from rankguard_operator.core.spec.parse import ServiceSpec
 
 Action = Literal[

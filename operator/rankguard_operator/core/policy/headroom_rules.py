@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from rankguard_operator.core.budget.bounds import block_unit, is_measured, kv_ceiling, round_down
-from rankguard_operator.core.history import STATUS_ACTIONS
 from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
 from rankguard_operator.core.policy.decision import (
@@ -17,6 +16,7 @@ from rankguard_operator.core.policy.decision import (
     make_decision,
     same_budget,
 )
+from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.tunables import (
     BAD_BUDGET_MEMORY_SECONDS,
     GROW_VERIFY_SECONDS,

@@ -30,8 +30,7 @@ from typing import Any
 from rankguard_operator.core.budget.bounds import startup_utilization
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.model.resolve import resolve_model
-from rankguard_operator.core.model.shape import ModelError, ModelShape
+from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.names import (
     AGENT_ENTRY,
     AGENT_INIT_CONTAINER,
@@ -130,21 +129,13 @@ def served_argv(pod_spec: Mapping[str, Any]) -> list[str]:
     return command[at + 2 :]
 
 
-def _probe_shape(spec: ServiceSpec, plan: Plan | None) -> ModelShape | None:
-    if plan is not None:
-        return plan.inputs.shape
-    if spec.model.config_map is not None:
-        return None  # only the caller can read the ConfigMap; the agent's defaults apply
-    try:
-        return resolve_model(spec.model.name, spec.model.shape)
-    except ModelError:
-        return None  # not known before the pod runs: the agent's defaults apply
-
-
-def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:
+def agent_args(spec: ServiceSpec, plan: Plan | None, shape: ModelShape | None = None) -> list[str]:
     """`python3 /opt/rankguard/agent/rankguard-agent launch …` up to (not including) the `--`
     separator. Run by path: Python puts the bundle first on the agent's own sys.path, so no
-    PYTHONPATH is set and vLLM keeps the image's own packages (pynvml above all)."""
+    PYTHONPATH is set and vLLM keeps the image's own packages (pynvml above all). The probe's
+    collectives are sized like the model: the plan's shape, or before there is a plan the shape
+    the spec alone names (`shape`, ModelResolution.spec_shape); none, and the agent's defaults
+    apply."""
     args = [
         "python3",
         AGENT_ENTRY,
@@ -160,7 +151,7 @@ def agent_args(spec: ServiceSpec, plan: Plan | None) -> list[str]:
     ]
     if spec.agent.probe:
         args += ["--probe", "--probe-world-size", str(spec.world_size)]
-        s = _probe_shape(spec, plan)
+        s = plan.inputs.shape if plan is not None else shape
         if s is not None:
             # the warm-up collectives are sized like the model's (DESIGN §2 step 3a)
             args += ["--probe-hidden-size", str(s.hidden_size), "--probe-vocab-size", str(s.vocab_size)]
@@ -230,11 +221,17 @@ def _pod_spec(
     plan: Plan | None,
     *,
     startup_free_bytes: int | None,
+    shape: ModelShape | None,
 ) -> dict[str, Any]:
     vllm = {
         "name": VLLM_CONTAINER,
         "image": spec.image,
-        "command": [*agent_args(spec, plan), "--", "vllm", *vllm_args(spec, flags, plan, startup_free_bytes)],
+        "command": [
+            *agent_args(spec, plan, shape),
+            "--",
+            "vllm",
+            *vllm_args(spec, flags, plan, startup_free_bytes),
+        ],
         "env": _env(name, spec),
         "ports": [
             {"name": "http", "containerPort": VLLM_HTTP_PORT, "protocol": "TCP"},
@@ -326,6 +323,7 @@ def render_deployment(
     plan: Plan | None,
     revision_annotations: Mapping[str, str] | None = None,
     startup_free_bytes: int | None = None,
+    shape: ModelShape | None = None,
 ) -> dict[str, Any]:
     """The serving Deployment.
 
@@ -333,6 +331,8 @@ def render_deployment(
     yet): it sizes the start-up utilisation and the agent's probe collectives.
     `startup_free_bytes`: the least free memory vLLM measured at a worker's start-up (kept in
     status), which that utilisation must stay under.
+    `shape`: the model's shape as the spec alone names it, which sizes the agent's probe while
+    there is no plan (see `agent_args`).
     `revision_annotations` go on the Deployment's own metadata (never the pod template), so
     bookkeeping such as a remediation id never rolls the pods.
     """
@@ -362,7 +362,7 @@ def render_deployment(
                     "annotations": {FLAGS_ANNOTATION: _canonical_json(flags.to_status())},
                 },
                 "spec": _pod_spec(
-                    name, spec, flags, agent_image, plan, startup_free_bytes=startup_free_bytes
+                    name, spec, flags, agent_image, plan, startup_free_bytes=startup_free_bytes, shape=shape
                 ),
             },
         },
@@ -396,30 +396,4 @@ def render_service(name: str, namespace: str, owner_uid: str, spec: ServiceSpec)
                 {"name": "agent", "port": spec.agent.port, "targetPort": "agent", "protocol": "TCP"},
             ],
         },
-    }
-
-
-def render_cache_claim(name: str, namespace: str, owner_uid: str, spec: ServiceSpec) -> dict[str, Any] | None:
-    """The PersistentVolumeClaim for spec.modelCache.size (None when the spec names an existing
-    claim, or no cache). Owned by the LLMService, so it goes when the service goes; applied
-    before the Deployment, so the first pod finds it."""
-    cache = spec.model_cache
-    if cache is None or not cache.created or cache.size_bytes is None:
-        return None
-    claim: dict[str, Any] = {
-        "accessModes": list(cache.access_modes),
-        "resources": {"requests": {"storage": format_quantity(cache.size_bytes)}},
-    }
-    if cache.storage_class is not None:
-        claim["storageClassName"] = cache.storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": cache.claim(name),
-            "namespace": namespace,
-            "labels": labels(name),
-            "ownerReferences": [owner_reference(name, owner_uid)],
-        },
-        "spec": claim,
     }

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from rankguard_operator.core.conditions import Condition
-from rankguard_operator.core.render import render_cache_claim
+from rankguard_operator.core.names import labels, owner_reference
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.spec.pod import ModelCacheSpec
 from rankguard_operator.core.units import format_quantity
@@ -121,3 +121,29 @@ def event(
         return None
     kind, event_reason = _EVENTS[reason]
     return kind, event_reason, message
+
+
+def render_cache_claim(name: str, namespace: str, owner_uid: str, spec: ServiceSpec) -> dict[str, Any] | None:
+    """The PersistentVolumeClaim for spec.modelCache.size (None when the spec names an existing
+    claim, or no cache). Owned by the LLMService, so it goes when the service goes; applied
+    before the Deployment, so the first pod finds it."""
+    cache = spec.model_cache
+    if cache is None or not cache.created or cache.size_bytes is None:
+        return None
+    claim: dict[str, Any] = {
+        "accessModes": list(cache.access_modes),
+        "resources": {"requests": {"storage": format_quantity(cache.size_bytes)}},
+    }
+    if cache.storage_class is not None:
+        claim["storageClassName"] = cache.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": cache.claim(name),
+            "namespace": namespace,
+            "labels": labels(name),
+            "ownerReferences": [owner_reference(name, owner_uid)],
+        },
+        "spec": claim,
+    }
