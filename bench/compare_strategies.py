@@ -72,8 +72,8 @@ from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.observe.pods import carried_template_hash, deployment_template_hash
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.render.deployment import served_argv
-from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step_io import ReportInput, Settings, World, after_apply, scrape_targets
 from rankguard_operator.core.units import iso
 from rankguard_sim.engine_config import EngineConfig

@@ -24,7 +24,7 @@ from rankguard_operator.core.effects import ApplyClaim, ApplyDeployment, ApplySe
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, VLLM_CONTAINER
 from rankguard_operator.core.render.deployment import served_argv
-from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step_io import Settings, World
 from rankguard_operator.core.units import QuantityError, parse_bytes
 

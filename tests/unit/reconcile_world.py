@@ -29,7 +29,7 @@ from rankguard_operator.core.names import (
 )
 from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.render.deployment import served_argv
-from rankguard_operator.core.service_state import ServiceState
+from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step_io import ReportInput, Settings, Step, World, after_apply
 from rankguard_operator.core.units import GiB
 

@@ -35,8 +35,8 @@ from rankguard_operator.core.names import (
     label_value,
 )
 from rankguard_operator.core.observe.pods import deployment_template_hash
-from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step_io import World, after_apply, scrape_targets
 from rankguard_operator.core.units import GiB
 

@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard_operator.core.observe.pods import terminations
-from rankguard_operator.core.service_figures import Figures, figures, memory_terminations, phase_change
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.status.figures import Figures, figures, memory_terminations, phase_change
 from rankguard_operator.edge.metrics import OOMS_OBSERVED, REMEDIATIONS, SERVICE_GAUGES, forget_service
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,16 +16,16 @@ from rankguard_operator.core.observe.pods import RolloutState, Termination
 from rankguard_operator.core.policy import Decision, PolicyInput, decide
 from rankguard_operator.core.policy.history import Remediation, history_from_status
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_operator.core.status import (
+from rankguard_operator.core.status.build import (
     append_history,
     budget_source,
     budget_status,
     build_status,
     last_known_good_status,
     rank_rows,
-    status_patch,
     summary_fields,
 )
+from rankguard_operator.core.status.patch import status_patch
 from rankguard_operator.core.units import GiB, MiB
 
 SPEC = parse_spec(

@@ -31,13 +31,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import pod_world, policy, status
+from rankguard_operator.core import pod_world, policy
 from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
 from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
-from rankguard_operator.core.degraded import degraded_event, said_before
 from rankguard_operator.core.effects import (
     ApplyDeployment,
     ApplyService,
@@ -47,16 +46,19 @@ from rankguard_operator.core.effects import (
     WriteStatus,
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.engine_status import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.observe import blockers, pods
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.policy.history import history_from_status
 from rankguard_operator.core.render.deployment import render_deployment, render_service
-from rankguard_operator.core.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
+from rankguard_operator.core.status.build import append_history, build_status
+from rankguard_operator.core.status.degraded import degraded_event, said_before
+from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
+from rankguard_operator.core.status.patch import merged_status, status_patch
+from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.step_io import (
     ReportInput,
     Settings,
@@ -64,7 +66,6 @@ from rankguard_operator.core.step_io import (
     World,
     after_apply,
     merge_keys,
-    merged_status,
     remediation_id_of,
     same_template,
 )
@@ -176,7 +177,7 @@ class _Pass:
         if record is not None and not any(h.get("revision") == pending.id for h in self.history):
             # The pass that decided this died before writing its history: write it now. Its
             # Event is named after the id, so it is posted once whoever gets there first.
-            self.history = status.append_history(self.history, record)
+            self.history = append_history(self.history, record)
             self.effects.append(
                 PostEvent(
                     "Warning",
@@ -287,7 +288,7 @@ class _Pass:
                 trigger=decision.trigger,
             )
             if record is not None:
-                self.history = status.append_history(self.history, record)
+                self.history = append_history(self.history, record)
             kind: Literal["Normal", "Warning"] = (
                 "Normal" if decision.action in ("grow", "replan") else "Warning"
             )
@@ -320,7 +321,7 @@ class _Pass:
             observation=observation,
             terminations=fresh_terms,
         )
-        new_status = status.build_status(
+        new_status = build_status(
             old=state.raw,
             spec=spec,
             generation=w.generation,
@@ -382,7 +383,7 @@ class _Pass:
                 "serviceApplied": True,
             }
         )
-        patch = status.status_patch(self.stored, new_status)
+        patch = status_patch(self.stored, new_status)
         if patch is not None:
             self.effects.append(WriteStatus(patch))
         next_state = ServiceState.from_status(merged_status(self.stored, new_status))
@@ -417,7 +418,7 @@ def invalid_spec(state: ServiceState, world: World, message: str) -> Step:
     effects: list[Effect] = []
     if not said_before(state.raw.get("conditions") or [], "InvalidSpec", message):
         effects.append(PostEvent("Warning", "InvalidSpec", message, repeat=True))  # once per change
-    patch = status.status_patch(state.raw, new)
+    patch = status_patch(state.raw, new)
     if patch is not None:
         effects.append(WriteStatus(patch))
     next_state = ServiceState.from_status(merged_status(state.raw, new))

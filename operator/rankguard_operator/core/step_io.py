@@ -25,9 +25,10 @@ from rankguard_operator.core.observe.pods import (
     pod_ip,
     pod_ready,
 )
-from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
+from rankguard_operator.core.status.patch import merged_status
+from rankguard_operator.core.status.service_state import ServiceState
 
 HANDLED_LIMIT = 64  # termination keys kept: far more than the runs visible in pod statuses
 
@@ -141,18 +142,6 @@ def scrape_targets(
         ip = pod_ip(p)
         if ip and pod_ready(p) and live is not None and carried_template_hash(p) == live:
             out.append((str(p["metadata"]["name"]), ip, port))
-    return out
-
-
-def merged_status(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """`old` with the top-level fields of `new` written over it (None removes a field): the
-    status as stored after a merge patch that rankguard built from `new`."""
-    out = dict(old)
-    for k, v in new.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = v
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import kopf
 
-from rankguard_operator.core import pod_world, reconcile, service_figures
+from rankguard_operator.core import pod_world, reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyClaim,
@@ -43,8 +43,9 @@ from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import ownership
 from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
-from rankguard_operator.core.service_state import ServiceState
-from rankguard_operator.core.status import status_patch
+from rankguard_operator.core.status.figures import figures, memory_terminations, phase_change, rank_label
+from rankguard_operator.core.status.patch import status_patch
+from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step_io import Settings, Step, World, scrape_targets, with_intent
 from rankguard_operator.core.units import iso
 from rankguard_operator.edge import k8s
@@ -263,8 +264,8 @@ class ServiceExecutor:
     def _published(self, before: ServiceState, step: Step) -> None:
         """The service's gauges from the status just written, and one log line when its phase
         changed (a warning when it became Degraded or Failed)."""
-        SERVICE_GAUGES.set(self.namespace, self.name, service_figures.figures(step.state.raw, step.spec))
-        change = service_figures.phase_change(before.raw, step.state.raw)
+        SERVICE_GAUGES.set(self.namespace, self.name, figures(step.state.raw, step.spec))
+        change = phase_change(before.raw, step.state.raw)
         if change is not None:
             bad = step.phase in (Phase.DEGRADED.value, Phase.FAILED.value)
             log.log(
@@ -279,14 +280,14 @@ class ServiceExecutor:
         """Count each memory termination once, acted upon or not. The step lists those not yet
         in status.handledTerminations (so a restarted operator does not count them again); one
         the policy left unhandled is listed again next pass, and is remembered here until then."""
-        fresh = service_figures.memory_terminations(new)
+        fresh = memory_terminations(new)
         for t in fresh:
             if t.key not in self._ooms_counted:
                 OOMS_OBSERVED.labels(
                     namespace=self.namespace,
                     llmservice=self.name,
                     reason=t.kind,
-                    rank=service_figures.rank_label(t),
+                    rank=rank_label(t),
                 ).inc()
         self._ooms_counted = {t.key for t in fresh}
 

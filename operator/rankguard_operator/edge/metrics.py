@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rankguard_operator import __version__
-from rankguard_operator.core.service_figures import PHASES, Figures
+from rankguard_operator.core.status.figures import PHASES, Figures
 
 REPORTS_OK = Counter(
     "rankguard_operator_reports_accepted_total",

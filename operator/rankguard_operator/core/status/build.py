@@ -181,10 +181,6 @@ def append_history(
     return out[-limit:] if limit > 0 else []
 
 
-def remediation_from_status(doc: Any) -> Remediation | None:
-    return Remediation.from_status(doc)
-
-
 # --------------------------------------------------------------------------------------------
 # The whole status
 
@@ -337,40 +333,3 @@ def build_status(
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),
         "remediations": [dict(h) for h in history][-HISTORY_LIMIT:],
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Writing only what changed
-
-
-def _diff(old: Mapping[str, Any], new: Mapping[str, Any], *, top: bool) -> dict[str, Any]:
-    patch: dict[str, Any] = {}
-    for key, value in new.items():
-        before = old.get(key)
-        if value is None:
-            if before is not None:
-                patch[key] = None  # merge-patch null: remove the field
-            continue
-        if isinstance(value, Mapping) and isinstance(before, Mapping):
-            sub = _diff(before, value, top=False)
-            if sub:
-                patch[key] = sub
-        elif before != value:
-            patch[key] = value
-    if not top:
-        # inside an object rankguard owns, fields it no longer writes are removed
-        for key in old:
-            if key not in new and old[key] is not None:
-                patch[key] = None
-    return patch
-
-
-def status_patch(
-    old_status: Mapping[str, Any] | None, new_status: Mapping[str, Any]
-) -> dict[str, Any] | None:
-    """A JSON merge patch (RFC 7386) turning `old_status` into `new_status`, or None when they
-    are equal, so the caller writes status only on change. Top-level fields absent from
-    `new_status` are left alone (they may belong to someone else, e.g. kopf); set one to None
-    to remove it. Nested objects are diffed field by field; lists are replaced whole."""
-    patch = _diff(old_status or {}, new_status, top=True)
-    return patch or None

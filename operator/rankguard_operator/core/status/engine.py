@@ -19,8 +19,8 @@ from rankguard_operator.core.conditions import Condition, set_condition
 from rankguard_operator.core.engine.rules import Rules, image_version, rules_for
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import Termination
-from rankguard_operator.core.service_state import ServiceState
 from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.service_state import ServiceState
 
 
 @dataclass(frozen=True)
