@@ -58,7 +58,7 @@ from rankguard_agent.report import (
 )
 from rankguard_agent.sampler import DEFAULT_WINDOW_SECONDS
 from rankguard_agent.termination import TerminationMessage
-from rankguard_operator.core import policy, reconcile
+from rankguard_operator.core import policy
 from rankguard_operator.core.effects import (
     ApplyDeployment,
     ApplyService,
@@ -74,7 +74,7 @@ from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.render.deployment import served_argv
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step_io import ReportInput, Settings, World, after_apply, scrape_targets
+from rankguard_operator.core.step import ReportInput, Settings, World, after_apply, reconcile, scrape_targets
 from rankguard_operator.core.units import iso
 from rankguard_sim.engine_config import EngineConfig
 from rankguard_sim.engine_failures import EngineFailure

@@ -19,13 +19,11 @@ from typing import Any, TextIO
 
 import yaml
 
-from rankguard_operator.core import reconcile
-from rankguard_operator.core.effects import ApplyClaim, ApplyDeployment, ApplyService, PostEvent
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, VLLM_CONTAINER
 from rankguard_operator.core.render.deployment import served_argv
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step_io import Settings, World
+from rankguard_operator.core.step import Objects, Settings, World, reconcile
 from rankguard_operator.core.units import QuantityError, parse_bytes
 
 API_VERSION = "rankguard.io/v1alpha1"
@@ -94,14 +92,11 @@ def render_service(
     step = reconcile.step(
         ServiceState.from_status(status), world, Settings(agent_image=agent_image, stale_after=30.0)
     )
+    objects = Objects(status=status)
+    objects.carry_out_all(step.effects)
     if step.decision is None:  # refused: the operator would set InvalidSpec and apply nothing
-        messages = [e.message for e in step.effects if isinstance(e, PostEvent)]
-        return [], [f"{ns}/{name}: {m}" for m in messages]
-    objects: list[dict[str, Any]] = []
-    for e in step.effects:
-        if isinstance(e, (ApplyClaim, ApplyDeployment, ApplyService)):
-            objects.append(dict(e.body))
-    return objects, []
+        return [], [f"{ns}/{name}: {e.message}" for e in objects.events.values()]
+    return objects.applied, []
 
 
 def check_deployment(deployment: Mapping[str, Any]) -> tuple[list[str], str | None]:

@@ -13,15 +13,6 @@ from typing import Any
 
 from rankguard_agent import termination as tm
 from rankguard_agent.report import RankSample, Report
-from rankguard_operator.core import reconcile
-from rankguard_operator.core.effects import (
-    ApplyDeployment,
-    ApplyService,
-    Effect,
-    PostEvent,
-    WriteIntent,
-    WriteStatus,
-)
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
@@ -30,7 +21,7 @@ from rankguard_operator.core.names import (
 from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.render.deployment import served_argv
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step_io import ReportInput, Settings, Step, World, after_apply
+from rankguard_operator.core.step import Objects, ReportInput, Settings, Step, World, reconcile
 from rankguard_operator.core.units import GiB
 
 SETTINGS = Settings(agent_image="agent:test", stale_after=30.0)
@@ -76,31 +67,14 @@ def kv_too_small_record() -> dict[str, Any]:
     return {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies a status merge patch."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
 @dataclass
-class Cluster:
-    """What the API server holds for one LLMService, changed only through effects."""
+class Cluster(Objects):
+    """What the API server holds for one LLMService, changed only through effects (carried out
+    as step.replay does), plus the pods, reports and clock the tests feed it."""
 
     spec: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SPEC))
     generation: int = 1
-    status: dict[str, Any] = field(default_factory=dict)
-    deployment: dict[str, Any] | None = None
-    service: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
-    events: dict[str, PostEvent] = field(default_factory=dict)
-    applies: list[Mapping[str, Any]] = field(default_factory=list)
     clock: float = T0
     ids: int = 0
 
@@ -127,27 +101,13 @@ class Cluster:
     def state(self) -> ServiceState:
         return ServiceState.from_status(copy.deepcopy(self.status))
 
-    def execute(self, effect: Effect) -> None:
-        if isinstance(effect, WriteIntent):
-            self.status["pendingRemediation"] = dict(effect.pending)
-        elif isinstance(effect, WriteStatus):
-            self.status = merge_patch(self.status, effect.patch)
-        elif isinstance(effect, ApplyDeployment):
-            self.applies.append(effect.body)
-            self.deployment = after_apply(self.deployment, copy.deepcopy(dict(effect.body)))
-        elif isinstance(effect, ApplyService):
-            self.service = dict(effect.body)
-        elif isinstance(effect, PostEvent):
-            key = effect.name or f"{effect.reason}#{len(self.events)}"
-            self.events.setdefault(key, effect)
-
     def run(self, crash_after: int | None = None, **kw: Any) -> Step:
         """One pass; with `crash_after`, the operator dies after that many effects."""
         step = reconcile.step(self.state(), self.world(**kw), SETTINGS)
         for i, effect in enumerate(step.effects):
             if crash_after is not None and i >= crash_after:
                 break
-            self.execute(effect)
+            self.carry_out(effect)
         self.clock += 2.0
         return step
 
@@ -176,7 +136,7 @@ class Cluster:
     def kv_rolls(self) -> list[int]:
         """The distinct KV budgets the Deployment was rolled to, in order."""
         out: list[int] = []
-        for body in self.applies:
+        for body in self.deployments_applied:
             kv = flags_of(body).kv_cache_memory_bytes
             assert kv is not None
             if not out or out[-1] != kv:

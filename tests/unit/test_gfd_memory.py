@@ -18,7 +18,6 @@ import pytest
 from reconcile_world import SETTINGS, SPEC, Cluster, flags_of, report, vllm_argv
 
 from rankguard_agent.report import Report
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.budget.bounds import measured_plan, prior_plan
 from rankguard_operator.core.budget.gpu_labels import (
     NodeGpu,
@@ -28,9 +27,8 @@ from rankguard_operator.core.budget.gpu_labels import (
     slice_bytes,
 )
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals
-from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.step import Step, reads, reconcile
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.reads import NodeLabels
@@ -120,7 +118,7 @@ def _run(c: Cluster, nodes: dict[str, dict[str, str]], reports: tuple[Any, ...] 
     world = replace(c.world(reports), node_labels=copy.deepcopy(nodes))
     step = reconcile.step(c.state(), world, SETTINGS)
     for effect in step.effects:
-        c.execute(effect)
+        c.carry_out(effect)
     c.clock += 2.0
     return step
 

@@ -19,12 +19,11 @@ import pytest
 from aiohttp import web
 from reconcile_world import SETTINGS, Cluster, pod, report, running
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import condition
 from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
 from rankguard_operator.core.observe.agent_ready import AgentMiss, clean_agent_error
-from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.step import Step, reconcile
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
 from rankguard_operator.edge.scrape import (
@@ -155,7 +154,7 @@ def step(c: Cluster, *, fresh: tuple[str, ...] = (), misses: tuple[AgentMiss, ..
     settings = replace(SETTINGS, agent_unavailable_after=BOUND)
     s = reconcile.step(c.state(), world, settings)
     for effect in s.effects:
-        c.execute(effect)
+        c.carry_out(effect)
     c.clock += 2.0
     return s
 

@@ -11,33 +11,31 @@ from typing import Any
 
 from reconcile_world import SETTINGS, Cluster
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.conditions import condition
 from rankguard_operator.core.effects import ApplyClaim
 from rankguard_operator.core.names import cache_claim_name
-from rankguard_operator.core.pod_world import reads
 from rankguard_operator.core.render.claim import claim_to_apply
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.step import Step, reads, reconcile
 
 
 class CacheCluster(Cluster):
-    """The in-memory cluster, plus the claim (as the API server would hold it)."""
-
-    claim: dict[str, Any] | None = None
-    claims_applied: list[dict[str, Any]]
+    """The in-memory cluster with the claim handed to each pass; a claim the step creates is
+    Pending until a test binds it (as its provisioner would)."""
 
     def step(self) -> Step:
         world = replace(self.world(), cache_claim=copy.deepcopy(self.claim))
         step = reconcile.step(self.state(), world, SETTINGS)
         for effect in step.effects:
+            self.carry_out(effect)
             if isinstance(effect, ApplyClaim):
-                body = copy.deepcopy(dict(effect.body))
-                self.claims_applied.append(body)
-                self.claim = {**body, "status": {"phase": "Pending"}}
-            self.execute(effect)
+                self.claim = {**(self.claim or {}), "status": {"phase": "Pending"}}
         self.clock += 2.0
         return step
+
+    @property
+    def claims_applied(self) -> list[dict[str, Any]]:
+        return [b for b in self.applied if b["kind"] == "PersistentVolumeClaim"]
 
     def cache(self) -> dict[str, Any]:
         return dict(condition(self.status["conditions"], "ModelCacheReady") or {})
@@ -48,7 +46,6 @@ class CacheCluster(Cluster):
 
 def cluster(**cache: Any) -> CacheCluster:
     c = CacheCluster()
-    c.claims_applied = []
     c.spec["modelCache"] = cache
     return c
 
@@ -184,7 +181,6 @@ def test_a_claim_of_that_name_rankguard_did_not_create_is_used_never_adopted() -
 
 def test_no_claim_without_a_cache_and_no_condition() -> None:
     c = CacheCluster()
-    c.claims_applied = []
     step = c.step()
     assert not any(isinstance(e, ApplyClaim) for e in step.effects)
     assert c.cache() == {}

@@ -22,13 +22,12 @@ from reconcile_world import (
     running,
 )
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.effects import ApplyDeployment, Effect, PostEvent, WriteStatus
 from rankguard_operator.core.observe.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.step import Step, reconcile
 from rankguard_operator.core.units import GiB, MiB, TiB, parse_iso
 
 
@@ -51,7 +50,7 @@ def writes(step: Step) -> list[Effect]:
 
 def test_an_engine_error_that_repeats_is_a_crash_loop_said_once_with_the_engines_words() -> None:
     c = running()
-    applies = len(c.applies)
+    applies = len(c.deployments_applied)
     line = "ValueError: unrecognized arguments: --enable-frobnication"
     steps = []
     crash_loop(c, engine_error_record(f"Traceback (most recent call last):\n  ...\n{line}"), run=0)
@@ -71,7 +70,7 @@ def test_an_engine_error_that_repeats_is_a_crash_loop_said_once_with_the_engines
     # one Event for the crash loop, however many runs ended; nothing rolled; no Stable/NoFreshData noise
     said = events(steps, "EngineCrashLoop")
     assert len(said) == 1 and line in said[0].message
-    assert len(c.applies) == applies
+    assert len(c.deployments_applied) == applies
     assert not events(steps, "NoFreshData") and not events(steps, "Stable")
     # a pass over the same world writes nothing more
     c.clock -= 2.0
@@ -183,7 +182,7 @@ def test_an_engine_that_still_finds_the_pinned_budget_too_small_is_degraded_once
     c.run()
     c.controller_done()
     c.run()
-    applies = len(c.applies)
+    applies = len(c.deployments_applied)
     steps = []
     for run in range(4):
         crash_loop(c, kv_too_small_record(), run=run)
@@ -195,7 +194,7 @@ def test_an_engine_that_still_finds_the_pinned_budget_too_small_is_degraded_once
         assert next(x for x in c.status["conditions"] if x["type"] == "Ready")["status"] == "False"
     assert "spec.memory.kvCacheMemoryBytes" in degraded(c)["message"]
     assert len(events(steps, "KVCacheTooSmall")) == 1
-    assert len(c.applies) == applies  # a pinned budget is never changed
+    assert len(c.deployments_applied) == applies  # a pinned budget is never changed
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,7 +216,7 @@ def at_the_floor() -> tuple[Cluster, int]:
 
 def test_ooms_at_the_floor_are_degraded_and_stay_so_without_another_roll() -> None:
     c, floor = at_the_floor()
-    applies = len(c.applies)
+    applies = len(c.deployments_applied)
     steps = []
     for run in range(4):
         crash_loop(c, cuda_oom_record(), run=run)
@@ -232,7 +231,7 @@ def test_ooms_at_the_floor_are_degraded_and_stay_so_without_another_roll() -> No
     assert "already at its floor" in message and "rolls nothing more" in message
     for knob in ("spec.remediation.minKVCacheBytes", "spec.engine.maxModelLen", "spec.tensorParallelSize"):
         assert knob in message
-    assert len(c.applies) == applies and flags_of(c.deployment).kv_cache_memory_bytes == floor
+    assert len(c.deployments_applied) == applies and flags_of(c.deployment).kv_cache_memory_bytes == floor
     assert not c.status.get("remediations")
     assert len(events(steps, "OOMAtFloor")) == 1
     # a person lowers the floor: the verdict goes, and rankguard may act again

@@ -13,10 +13,9 @@ from typing import Any
 
 from reconcile_world import SETTINGS, crash_the_pod, running
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.effects import ApplyDeployment, WriteIntent
 from rankguard_operator.core.observe import ownership
-from rankguard_operator.core.step_io import Step
+from rankguard_operator.core.step import Step, reconcile
 
 SERVICE_UID = "uid-1"  # reconcile_world's LLMService
 

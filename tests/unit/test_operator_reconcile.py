@@ -25,7 +25,6 @@ from reconcile_world import (
     running,
 )
 
-from rankguard_operator.core import reconcile
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.effects import ApplyDeployment, PostEvent, WriteIntent
 from rankguard_operator.core.names import (
@@ -37,7 +36,7 @@ from rankguard_operator.core.names import (
 from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step_io import World, after_apply, scrape_targets
+from rankguard_operator.core.step import World, after_apply, reconcile, scrape_targets
 from rankguard_operator.core.units import GiB
 
 # --------------------------------------------------------------------------------------------
@@ -84,13 +83,13 @@ def test_an_invalid_spec_gets_a_condition_and_an_event_and_nothing_is_applied() 
 
 def test_a_spec_edit_reapplies_the_service_and_rolls_the_template() -> None:
     c = running()
-    applies = len(c.applies)
+    applies = len(c.deployments_applied)
     c.spec["image"] = "vllm/vllm-openai:v0.12.0"
     c.generation += 1
     step = c.run()
     kinds = [type(e).__name__ for e in step.effects]
     assert "ApplyDeployment" in kinds and "ApplyService" in kinds
-    assert len(c.applies) == applies + 1
+    assert len(c.deployments_applied) == applies + 1
     assert c.deployment is not None
     assert c.deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.12.0"
 

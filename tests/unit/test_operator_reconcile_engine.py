@@ -189,10 +189,10 @@ def test_a_start_up_refusal_under_a_byte_budget_keeps_the_budget_and_lowers_the_
     assert any(e.reason == "StartupCheckRefused" for e in c.events.values())
     assert not c.status.get("remediations")  # no budget change to record
     # a restarted operator renders the same thing: nothing more to roll
-    applies = len(c.applies)
+    applies = len(c.deployments_applied)
     c.controller_done()
     c.run()
-    assert len(c.applies) == applies
+    assert len(c.deployments_applied) == applies
 
 
 def test_engine_lines_the_agents_could_not_read_are_said_in_the_condition() -> None:

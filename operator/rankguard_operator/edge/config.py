@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE
-from rankguard_operator.core.step_io import Settings
+from rankguard_operator.core.step import Settings
 
 DEFAULT_LEASE_NAME = "rankguard-operator"
 LOG_LEVELS = {

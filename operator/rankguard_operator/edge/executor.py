@@ -28,7 +28,6 @@ from typing import Any
 
 import kopf
 
-from rankguard_operator.core import pod_world, reconcile
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyClaim,
@@ -46,7 +45,7 @@ from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.status.figures import figures, memory_terminations, phase_change, rank_label
 from rankguard_operator.core.status.patch import status_patch
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step_io import Settings, Step, World, scrape_targets, with_intent
+from rankguard_operator.core.step import Settings, Step, World, reads, reconcile, scrape_targets, with_intent
 from rankguard_operator.core.units import iso
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.metrics import (
@@ -208,8 +207,8 @@ class ServiceExecutor:
         deployment = self._deployment(seen.deployment)
         pods = self._trusted(seen, deployment, uid)
         model_config = await self._model_config(spec, generation)
-        reads = pod_world.reads(spec, self.name, pods)
-        claim = await self.claims.get(reads.claim, generation) if reads.claim else None
+        wanted = reads(spec, self.name, pods)
+        claim = await self.claims.get(wanted.claim, generation) if wanted.claim else None
         targets = [Target(*t) for t in scrape_targets(spec, deployment, pods)]
         scraped = await self.scraper.scrape(targets)
         world = World(
@@ -226,7 +225,7 @@ class ServiceExecutor:
             model_config=model_config,
             cache_claim=claim,
             agent_misses=scraped.misses,
-            node_labels=await self.nodes.labels(reads.nodes),
+            node_labels=await self.nodes.labels(wanted.nodes),
         )
         self.busy = (
             bool(targets)

@@ -26,7 +26,7 @@ from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.render import claim as model_cache
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
-from rankguard_operator.core.step_io import World
+from rankguard_operator.core.step.world import World
 
 
 def claim_effects(

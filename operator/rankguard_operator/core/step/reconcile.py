@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rankguard_operator.core import pod_world, policy
+from rankguard_operator.core import policy
 from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
 from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
@@ -59,7 +59,8 @@ from rankguard_operator.core.status.degraded import degraded_event, said_before
 from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.status.patch import merged_status, status_patch
 from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.step_io import (
+from rankguard_operator.core.step import surroundings as pod_world
+from rankguard_operator.core.step.world import (
     ReportInput,
     Settings,
     Step,
