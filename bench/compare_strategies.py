@@ -47,7 +47,8 @@ from typing import Any
 
 from rankguard_agent import verdict as agent_verdict
 from rankguard_agent.launcher import Observer
-from rankguard_agent.report import (
+from rankguard_agent.sampler import DEFAULT_WINDOW_SECONDS
+from rankguard_agent.wire.report import (
     REPORT_VERSION,
     EngineMemory,
     ProbeRank,
@@ -56,8 +57,7 @@ from rankguard_agent.report import (
     Report,
     parse_report,
 )
-from rankguard_agent.sampler import DEFAULT_WINDOW_SECONDS
-from rankguard_agent.termination import TerminationMessage
+from rankguard_agent.wire.termination import TerminationMessage
 from rankguard_operator.core import policy
 from rankguard_operator.core.effects import (
     ApplyDeployment,

@@ -25,7 +25,7 @@ from aiohttp import web
 from kubernetes import client
 
 from rankguard_agent import __version__ as AGENT_VERSION
-from rankguard_agent.report import REPORT_VERSION, RankSample, Report, parse_report
+from rankguard_agent.wire.report import REPORT_VERSION, RankSample, Report, parse_report
 from rankguard_sim.nodes import heartbeat, register_node
 from rankguard_sim.podstatus import ContainerView, Termination, pod_status, rfc3339
 

@@ -34,7 +34,11 @@ from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
 from rankguard_agent.model_files import ModelFiles
 from rankguard_agent.model_watch import ModelWatch
 from rankguard_agent.probe import ProbeConfig, run_probe
-from rankguard_agent.recognisers import (
+from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
+from rankguard_agent.server import AgentState
+from rankguard_agent.streams import LineScanner, Output, pump
+from rankguard_agent.verdict import termination_message
+from rankguard_agent.wire.recognisers import (
     MODEL_LOADING,
     CudaGraphPool,
     CudaOom,
@@ -46,12 +50,8 @@ from rankguard_agent.recognisers import (
     WorkerMemoryReport,
     recognise_all,
 )
-from rankguard_agent.report import EngineMemory, ProbeResult
-from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
-from rankguard_agent.server import AgentState
-from rankguard_agent.streams import LineScanner, Output, pump
-from rankguard_agent.termination import SIGNALED, TerminationMessage
-from rankguard_agent.verdict import termination_message
+from rankguard_agent.wire.report import EngineMemory, ProbeResult
+from rankguard_agent.wire.termination import SIGNALED, TerminationMessage
 from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
 
 log = logging.getLogger("rankguard_agent.launcher")

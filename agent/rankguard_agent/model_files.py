@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rankguard_agent.report_model import (
+from rankguard_agent.wire.report_model import (
     LAYER_ROLES,
     MAX_CONFIG_BYTES,
     MAX_COUNT,

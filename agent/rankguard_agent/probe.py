@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rankguard_agent.gpu import GpuBackend, GpuUnavailable, open_backend, release_communicators
-from rankguard_agent.report import MAX_RANKS, ProbeRank, ProbeResult
+from rankguard_agent.wire.report import MAX_RANKS, ProbeRank, ProbeResult
 
 log = logging.getLogger("rankguard_agent.probe")
 

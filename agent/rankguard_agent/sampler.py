@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rankguard_agent.gpu import GpuBackend, GpuReading, RankDevice
-from rankguard_agent.report import RankSample
+from rankguard_agent.wire.report import RankSample
 
 log = logging.getLogger("rankguard_agent.sampler")
 

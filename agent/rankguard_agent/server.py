@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
-from rankguard_agent.report import MAX_TEXT, REPORT_VERSION, EngineMemory, KVLine, ProbeResult, Report
-from rankguard_agent.report_model import ModelReport
 from rankguard_agent.sampler import Sampler
+from rankguard_agent.wire.report import MAX_TEXT, REPORT_VERSION, EngineMemory, KVLine, ProbeResult, Report
+from rankguard_agent.wire.report_model import ModelReport
 
 log = logging.getLogger("rankguard_agent.server")
 

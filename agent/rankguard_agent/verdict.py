@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import signal
 
-from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall
-from rankguard_agent.termination import (
+from rankguard_agent.wire.recognisers import CudaOom, KVObservation, KVTooSmall
+from rankguard_agent.wire.termination import (
     COMPLETED,
     CUDA_OOM,
     ENGINE_ERROR,

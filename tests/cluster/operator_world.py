@@ -26,8 +26,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import REGISTRY
 
-from rankguard_agent import termination as tm
-from rankguard_agent.report import RankSample, Report
+from rankguard_agent.wire import termination as tm
+from rankguard_agent.wire.report import RankSample, Report
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_sim.waiting import wait_for
 

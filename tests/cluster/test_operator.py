@@ -36,7 +36,7 @@ from operator_world import (
 )
 from prometheus_client import REGISTRY
 
-from rankguard_agent.report import MAX_REPORT_BYTES
+from rankguard_agent.wire.report import MAX_REPORT_BYTES
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_agent import termination as tm
+from rankguard_agent.wire import termination as tm
 from rankguard_operator.core.names import TERMINATION_LOG, VLLM_CONTAINER, owner_reference
 from rankguard_operator.core.units import GiB, MiB
 

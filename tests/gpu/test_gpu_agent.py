@@ -105,7 +105,7 @@ def test_probe_with_nccl_measures_every_rank_and_releases_everything() -> None:
 def test_a_real_cuda_oom_under_the_launcher(tmp_path: Path) -> None:
     import torch
 
-    from rankguard_agent.termination import CUDA_OOM, parse_termination_message
+    from rankguard_agent.wire.termination import CUDA_OOM, parse_termination_message
 
     n = torch.cuda.device_count()
     last = n - 1  # the last GPU, so that the GPU index -> rank mapping is exercised when n > 1

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import aiohttp
 
-from rankguard_agent.report import Report, parse_report
-from rankguard_agent.termination import MAX_TERMINATION_BYTES, TerminationMessage, parse_termination_message
+from rankguard_agent.wire.report import Report, parse_report
+from rankguard_agent.wire.termination import (
+    MAX_TERMINATION_BYTES,
+    TerminationMessage,
+    parse_termination_message,
+)
 
 AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"  # what PYTHONPATH gives the launcher
 _LISTENING = re.compile(rb"http://127\.0\.0\.1:(\d+)")

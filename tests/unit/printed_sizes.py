@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankguard_agent.recognisers import GIB
+from rankguard_agent.wire.recognisers import GIB
 
 
 def g(x: float) -> int:

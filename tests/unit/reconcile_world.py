@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankguard_agent import termination as tm
-from rankguard_agent.report import RankSample, Report
+from rankguard_agent.wire import termination as tm
+from rankguard_agent.wire.report import RankSample, Report
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,

@@ -17,11 +17,7 @@ from launched import AGENT_ROOT, agent_port, launcher_cmd, message, py, report_w
 from rankguard_agent.launcher import Observer, installed_engine_version
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
-from rankguard_agent.termination import (
-    CUDA_OOM,
-    TerminationMessage,
-    parse_termination_message,
-)
+from rankguard_agent.wire.termination import CUDA_OOM, TerminationMessage, parse_termination_message
 from rankguard_agent.workers import WorkerRanks, parallel_sizes
 from rankguard_operator import vllm_snapshots
 

@@ -16,9 +16,10 @@ import pytest
 from launched import AGENT_ROOT, agent_port, launcher_cmd, message, py, report_when, run, start, stop
 
 from rankguard_agent.launcher import Observer
-from rankguard_agent.recognisers import CudaOom, KVObservation, KVTooSmall
 from rankguard_agent.streams import LineScanner
-from rankguard_agent.termination import (
+from rankguard_agent.verdict import exit_code_of, rank_of_gpu, termination_message
+from rankguard_agent.wire.recognisers import CudaOom, KVObservation, KVTooSmall
+from rankguard_agent.wire.termination import (
     COMPLETED,
     CUDA_OOM,
     ENGINE_ERROR,
@@ -26,7 +27,6 @@ from rankguard_agent.termination import (
     MAX_TERMINATION_BYTES,
     SIGNALED,
 )
-from rankguard_agent.verdict import exit_code_of, rank_of_gpu, termination_message
 
 GIB = 1 << 30
 

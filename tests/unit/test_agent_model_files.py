@@ -15,7 +15,7 @@ from rankguard_agent.model_files import (
     read_model_files,
     tensor_role,
 )
-from rankguard_agent.report_model import LayerTally, ParamTally
+from rankguard_agent.wire.report_model import LayerTally, ParamTally
 
 # -- where the model lives ----------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from rankguard_agent.model_files import (
     read_model_files,
 )
 from rankguard_agent.model_watch import ModelWatch
-from rankguard_agent.report import Report
-from rankguard_agent.report_model import ParamTally
+from rankguard_agent.wire.report import Report
+from rankguard_agent.wire.report_model import ParamTally
 from rankguard_sim import fake_vllm, gpus
 from rankguard_sim.scenario_file import SCENARIO_ENV, builtin_dir
 

@@ -21,8 +21,8 @@ from launched import agent_port, stop
 from rankguard_agent.gpu.sim import SimBackend
 from rankguard_agent.gpu.simfiles import write_device
 from rankguard_agent.probe import ProbeConfig, model_shape_from_config, run_probe, warmup_shapes
-from rankguard_agent.report import Report, parse_report
-from rankguard_agent.termination import parse_termination_message
+from rankguard_agent.wire.report import Report, parse_report
+from rankguard_agent.wire.termination import parse_termination_message
 
 GIB = 1 << 30
 AGENT_ROOT = Path(__file__).resolve().parents[2] / "agent"

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from printed_sizes import g, pytorch_format
 
-from rankguard_agent.recognisers import (
+from rankguard_agent.wire.recognisers import (
     AVAILABLE_KV,
     GIB,
     KV_TOKENS,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from printed_sizes import g, pytorch_format
 
-from rankguard_agent.recognisers import (
+from rankguard_agent.wire.recognisers import (
     AVAILABLE_KV,
     CUDA_GRAPH_POOL,
     GIB,

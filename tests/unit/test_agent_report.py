@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_agent.report import EngineMemory, RankSample, Report, ReportError, parse_report
+from rankguard_agent.wire.report import EngineMemory, RankSample, Report, ReportError, parse_report
 
 GIB = 1 << 30
 MEMORY = EngineMemory(
@@ -118,7 +118,7 @@ def test_the_rest_of_a_report_is_still_checked() -> None:
 
 
 def test_unparsed_line_counts_travel_and_a_bad_count_is_dropped_alone() -> None:
-    from rankguard_agent.report import REPORT_VERSION, RankSample, Report, parse_report
+    from rankguard_agent.wire.report import REPORT_VERSION, RankSample, Report, parse_report
 
     sample = RankSample(0, "GPU-0", 100, 50, 50, 40, 10.0)
     good = Report(REPORT_VERSION, "a", 1.0, [sample], unparsed_lines={"worker_memory_report": 3})

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rankguard_agent.report import MAX_REPORT_BYTES, RankSample, Report, parse_report
-from rankguard_agent.report_model import (
+from rankguard_agent.wire.report import MAX_REPORT_BYTES, RankSample, Report, parse_report
+from rankguard_agent.wire.report_model import (
     MAX_LAYERS,
     CheckpointSummary,
     LayerTally,

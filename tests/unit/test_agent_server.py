@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rankguard_agent.gpu import NoGpuBackend
 from rankguard_agent.gpu.sim import SimBackend
 from rankguard_agent.gpu.simfiles import write_device, write_proc
-from rankguard_agent.report import ProbeRank, ProbeResult, parse_report
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
+from rankguard_agent.wire.report import ProbeRank, ProbeResult, parse_report
 
 GIB = 1 << 30
 

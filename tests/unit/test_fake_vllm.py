@@ -255,7 +255,7 @@ def test_default_utilisation_ooms_on_rank0_with_the_real_torch_message(runner: R
     assert world.files() == []
 
     # The agent's recogniser (a different codebase) reads the same figures from these lines.
-    from rankguard_agent.recognisers import recognise_oom
+    from rankguard_agent.wire.recognisers import recognise_oom
 
     line = next(ln for ln in err.splitlines() if "torch.OutOfMemoryError" in ln)
     seen = recognise_oom(line)

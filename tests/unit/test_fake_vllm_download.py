@@ -12,7 +12,7 @@ import yaml
 from model_checkpoints import LLAMA3_8B_CONFIG, LLAMA3_8B_PARAMS
 
 from rankguard_agent.model_files import model_dir, read_model_files
-from rankguard_agent.report_model import ParamTally
+from rankguard_agent.wire.report_model import ParamTally
 from rankguard_sim.checkpoint_tensors import checkpoint_tensors
 from rankguard_sim.hf_download import download, hf_hub_cache
 from rankguard_sim.scenario_data import ScenarioError

@@ -17,7 +17,7 @@ import kopf
 import pytest
 from reconcile_world import SETTINGS, SPEC, Cluster, flags_of, report, vllm_argv
 
-from rankguard_agent.report import Report
+from rankguard_agent.wire.report import Report
 from rankguard_operator.core.budget.bounds import measured_plan, prior_plan
 from rankguard_operator.core.budget.gpu_labels import (
     NodeGpu,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_agent.report import KVLine, ProbeRank, ProbeResult, RankSample, Report
+from rankguard_agent.wire.report import KVLine, ProbeRank, ProbeResult, RankSample, Report
 from rankguard_operator.core.budget.planner import RankMeasurement
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals
 from rankguard_operator.core.units import GiB, MiB

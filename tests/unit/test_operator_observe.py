@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_agent.termination import TerminationMessage
+from rankguard_agent.wire.termination import TerminationMessage
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
 from rankguard_operator.core.observe.pods import (

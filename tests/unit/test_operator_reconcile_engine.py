@@ -16,8 +16,8 @@ from reconcile_world import (
     vllm_argv,
 )
 
-from rankguard_agent import termination as tm
-from rankguard_agent.report import Report
+from rankguard_agent.wire import termination as tm
+from rankguard_agent.wire.report import Report
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 
@@ -56,7 +56,7 @@ def test_without_gpu_memory_bytes_the_gpu_size_is_learned_and_the_startup_check_
 def _with_engine(r: Report, *, version: str | None, rank0_others: int) -> Report:
     """The report of a first start in utilisation mode: vLLM printed its per-worker memory report
     (another CUDA context held `rank0_others` bytes on GPU 0 when the workers started)."""
-    from rankguard_agent.report import EngineMemory
+    from rankguard_agent.wire.report import EngineMemory
 
     def mem(rank: int) -> EngineMemory:
         return EngineMemory(

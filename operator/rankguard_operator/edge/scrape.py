@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from rankguard_agent.report import MAX_REPORT_BYTES, Report, ReportError, parse_report
+from rankguard_agent.wire.report import MAX_REPORT_BYTES, Report, ReportError, parse_report
 from rankguard_operator.core.observe.agent_ready import AgentMiss, MissKind, clean_agent_error
 from rankguard_operator.edge.metrics import REPORT_FIELDS_DROPPED, REPORTS_OK, REPORTS_REJECTED
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rankguard_agent.recognisers import AVAILABLE_KV
-from rankguard_agent.report import EngineMemory, Report
+from rankguard_agent.wire.recognisers import AVAILABLE_KV
+from rankguard_agent.wire.report import EngineMemory, Report
 from rankguard_operator.core.budget.planner import RankMeasurement
 
 ReportInput = tuple[str, Report, float]  # (pod name, validated report, received_at epoch seconds)

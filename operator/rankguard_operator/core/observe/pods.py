@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rankguard_agent import termination as tm
-from rankguard_agent.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
+from rankguard_agent.wire import termination as tm
+from rankguard_agent.wire.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, VLLM_CONTAINER
 from rankguard_operator.core.units import parse_iso

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankguard_agent.report import Report
+from rankguard_agent.wire.report import Report
 from rankguard_operator.core import policy
 from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model.resolve import ConfigRead

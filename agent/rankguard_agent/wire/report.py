@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rankguard_agent.report_model import ModelReport, ModelReportError, parse_model
+from rankguard_agent.wire.report_model import ModelReport, ModelReportError, parse_model
 
 REPORT_VERSION = 1
 # A TP-64 report with KV lines is ~20 KiB; `model` adds at most a 256 KiB config.json and
