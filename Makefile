@@ -19,9 +19,10 @@ install: $(STAMP)  ## the Python package with its test extras, in .venv
 testbin:  ## etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm (cached outside the repo)
 	@bash hack/testbin/build.sh >/dev/null
 
-lint: install
+lint: install  ## ruff, and the import contracts of .importlinter (the layers; docs/architecture.md)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy

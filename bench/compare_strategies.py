@@ -76,14 +76,14 @@ from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import ReportInput, Settings, World, after_apply, reconcile, scrape_targets
 from rankguard_operator.core.units import iso
-from rankguard_sim.engine_config import EngineConfig
-from rankguard_sim.engine_failures import EngineFailure
-from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
-from rankguard_sim.engine_outcome import Outcome, SafeCapacity, outcome_for_config, true_max_safe_kv
-from rankguard_sim.scenario_data import GIB, Scenario
-from rankguard_sim.scenario_file import builtin_names, load_scenario
-from rankguard_sim.vllm_args import engine_config_from_argv
-from rankguard_sim.vllm_console import failure_lines
+from rankguard_sim.fake_vllm.args import engine_config_from_argv
+from rankguard_sim.fake_vllm.console import failure_lines
+from rankguard_sim.physics.engine_config import EngineConfig
+from rankguard_sim.physics.engine_failures import EngineFailure
+from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger, rank_memory
+from rankguard_sim.physics.engine_outcome import Outcome, SafeCapacity, outcome_for_config, true_max_safe_kv
+from rankguard_sim.physics.scenario_data import GIB, Scenario
+from rankguard_sim.physics.scenario_file import builtin_names, load_scenario
 
 # The scenarios whose failure is GPU memory. host-oomkilled fails on HOST memory (the
 # container's cgroup limit); its GPU never runs out at any of these utilisations, so "OOM

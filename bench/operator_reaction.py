@@ -36,7 +36,7 @@ from typing import Any
 from kubernetes import client, watch
 
 from rankguard_agent.wire import termination as tm
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import OperatorProcess, install_crd
 
 GIB = 1 << 30

@@ -56,7 +56,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.edge.config import OperatorConfig
-from rankguard_sim.cluster import K8S_VERSION, ControlPlane
+from rankguard_sim.kube.cluster import K8S_VERSION, ControlPlane
 from rankguard_sim.world import OperatorProcess, create_namespace, install_crd
 from scale_cohort import MIB, FakeAgents, FakeNode, cohort_ips, free_port_on, run_pod
 from scale_measure import (

@@ -26,8 +26,8 @@ from kubernetes import client
 
 from rankguard_agent import __version__ as AGENT_VERSION
 from rankguard_agent.wire.report import REPORT_VERSION, RankSample, Report, parse_report
-from rankguard_sim.nodes import heartbeat, register_node
-from rankguard_sim.podstatus import ContainerView, Termination, pod_status, rfc3339
+from rankguard_sim.kubelet.nodes import heartbeat, register_node
+from rankguard_sim.kubelet.podstatus import ContainerView, Termination, pod_status, rfc3339
 
 MIB = 1 << 20
 NODE = "rankguard-bench-cohort"

@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import create_namespace, install_crd
 
 

@@ -39,6 +39,7 @@ from rankguard_agent.server import AgentState
 from rankguard_agent.streams import LineScanner, Output, pump
 from rankguard_agent.verdict import termination_message
 from rankguard_agent.wire.recognisers import (
+    KV_TOO_SMALL,
     MODEL_LOADING,
     CudaGraphPool,
     CudaOom,
@@ -189,7 +190,7 @@ class Observer:
             return
         if isinstance(found, KVTooSmall) and self.state is not None:
             value = found.needed_bytes if found.needed_bytes is not None else (found.max_seq_len or 0)
-            self.state.record_kv("kv_too_small", found.text, float(value))
+            self.state.record_kv(KV_TOO_SMALL, found.text, float(value))
         if self.cause is None or (
             # A bare "CUDA error: out of memory" is a worse witness than a message with figures.
             isinstance(self.cause, CudaOom)

@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from rankguard_sim.cluster import ControlPlane, free_port
+from rankguard_sim.kube.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import install_crd, llmservice
 

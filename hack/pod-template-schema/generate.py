@@ -167,7 +167,7 @@ def embedded_properties(crd: Mapping[str, Any]) -> dict[str, Any]:
 def _live_openapi() -> dict[str, Any]:
     """The core group's OpenAPI v3 as a real API server of the sandbox's version serves it (its
     document carries the enums; the one checked into k8s.io/kubernetes does not)."""
-    from rankguard_sim.cluster import ControlPlane
+    from rankguard_sim.kube.cluster import ControlPlane
 
     with tempfile.TemporaryDirectory() as tmp:
         cp = ControlPlane.start(Path(tmp))

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rankguard_sim.cluster import ControlPlane, ControlPlaneError
-from rankguard_sim.testbin import TestbinMissing
+from rankguard_sim.kube.cluster import ControlPlane, ControlPlaneError
+from rankguard_sim.kube.testbin import TestbinMissing
 
 DEFAULT_DIR = Path(os.environ.get("RANKGUARD_CLUSTER_DIR", Path.home() / ".cache" / "rankguard" / "cluster"))
 

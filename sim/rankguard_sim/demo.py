@@ -23,8 +23,8 @@ from typing import IO, Any
 
 from kubernetes import client
 
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.testbin import REPO_ROOT
+from rankguard_sim.kube.cluster import ControlPlane
+from rankguard_sim.kube.testbin import REPO_ROOT
 from rankguard_sim.world import OperatorProcess, install_crd, llmservice, start_node, wait_node_schedulable
 
 DEMO_DIR = Path(os.environ.get("RANKGUARD_DEMO_DIR", REPO_ROOT / ".demo"))

@@ -23,10 +23,10 @@ from typing import Any
 
 from kubernetes import client
 
-from rankguard_sim.cluster import ControlPlane, _die_with_parent, free_port
-from rankguard_sim.kubelet import ProcessKubelet
-from rankguard_sim.nodegpus import MigLayout
-from rankguard_sim.testbin import REPO_ROOT
+from rankguard_sim.kube.cluster import ControlPlane, _die_with_parent, free_port
+from rankguard_sim.kube.testbin import REPO_ROOT
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
+from rankguard_sim.kubelet.nodegpus import MigLayout
 from rankguard_sim.waiting import wait_for
 
 CRD_FILE = REPO_ROOT / "crds" / "llmservice.yaml"
@@ -205,7 +205,7 @@ def start_node(
 
 
 def scenario_gpu_count(scenario: str) -> int:
-    from rankguard_sim.scenario_file import load_scenario  # noqa: PLC0415
+    from rankguard_sim.physics.scenario_file import load_scenario  # noqa: PLC0415  # noqa: PLC0415
 
     s = load_scenario(scenario)
     # One serving replica's GPUs plus room for a second during a roll.
@@ -224,7 +224,7 @@ def running(api: Any, kubelet: ProcessKubelet, timeout: float = 60) -> Iterator[
 
 
 def wait_node_schedulable(api: Any, name: str, timeout: float = 90) -> None:
-    from rankguard_sim.nodes import node_schedulable  # noqa: PLC0415
+    from rankguard_sim.kubelet.nodes import node_schedulable  # noqa: PLC0415  # noqa: PLC0415
 
     wait_for(f"node {name} to become schedulable", lambda: node_schedulable(api, name), timeout, 0.5)
 

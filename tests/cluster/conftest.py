@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_world import GROUP, MERGE, PLURAL, SCRAPE_INTERVAL, VERSION, World
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
 
 # --------------------------------------------------------------------------------------------

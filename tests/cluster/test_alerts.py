@@ -28,8 +28,8 @@ from rankguard_agent.gpu.sim import SimBackend
 from rankguard_agent.gpu.simfiles import write_device, write_proc
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
-from rankguard_sim import testbin
-from rankguard_sim.cluster import free_port
+from rankguard_sim.kube import testbin
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -35,8 +35,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim import testbin
-from rankguard_sim.cluster import K8S_VERSION, ControlPlane
+from rankguard_sim.kube import testbin
+from rankguard_sim.kube.cluster import K8S_VERSION, ControlPlane
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from test_chart import CHART, CRD_NAME, REPO, by_kind, render, run_helm, template, unexpected_stderr
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

@@ -47,7 +47,7 @@ from test_chart import (
 )
 
 from rankguard_operator.edge import metrics as operator_metrics
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

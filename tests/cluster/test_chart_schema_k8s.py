@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

@@ -34,7 +34,7 @@ from test_chart import (
     template,
 )
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

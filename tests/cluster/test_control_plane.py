@@ -9,8 +9,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.nodes import heartbeat, node_schedulable, register_node
+from rankguard_sim.kube.cluster import ControlPlane
+from rankguard_sim.kubelet.nodes import heartbeat, node_schedulable, register_node
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

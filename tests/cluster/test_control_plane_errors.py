@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_sim.cluster import ControlPlane, ControlPlaneError
+from rankguard_sim.kube.cluster import ControlPlane, ControlPlaneError
 
 pytestmark = pytest.mark.cluster
 

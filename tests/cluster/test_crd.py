@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

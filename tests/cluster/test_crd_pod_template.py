@@ -18,7 +18,7 @@ import yaml
 
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

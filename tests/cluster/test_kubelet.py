@@ -21,11 +21,11 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim import gpus as simgpus
-from rankguard_sim.kubelet import ProcessKubelet, wait_for_pids_gone
-from rankguard_sim.nodes import node_schedulable
-from rankguard_sim.scenario_file import load_scenario
-from rankguard_sim.vllm_args import VLLM_VERSION
+from rankguard_sim.fake_vllm.args import VLLM_VERSION
+from rankguard_sim.kubelet.kubelet import ProcessKubelet, wait_for_pids_gone
+from rankguard_sim.kubelet.nodes import node_schedulable
+from rankguard_sim.physics import gpus as simgpus
+from rankguard_sim.physics.scenario_file import load_scenario
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

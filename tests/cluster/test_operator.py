@@ -43,7 +43,7 @@ from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
 from rankguard_operator.core.render.deployment import render_deployment, render_service
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.edge import k8s
-from rankguard_sim.cluster import ControlPlane, free_port
+from rankguard_sim.kube.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -27,7 +27,7 @@ from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.names import cache_claim_name
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import MiB
-from rankguard_sim.cluster import free_port
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -32,7 +32,7 @@ from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import parse_bytes
 from rankguard_operator.edge import k8s
-from rankguard_sim.cluster import free_port
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

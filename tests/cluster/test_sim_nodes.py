@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from rankguard_sim import gpus as simgpus
-from rankguard_sim.kubelet import ProcessKubelet
-from rankguard_sim.nodegpus import MigLayout
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
+from rankguard_sim.kubelet.nodegpus import MigLayout
+from rankguard_sim.physics import gpus as simgpus
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import running
 

@@ -14,9 +14,9 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.kubelet import ProcessKubelet
-from rankguard_sim.provisioner import PROVISIONED_BY, PROVISIONER, STORAGE_CLASS
+from rankguard_sim.kube.cluster import ControlPlane
+from rankguard_sim.kube.provisioner import PROVISIONED_BY, PROVISIONER, STORAGE_CLASS
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import running
 

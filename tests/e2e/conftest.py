@@ -15,7 +15,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import (
     Node,

@@ -15,8 +15,8 @@ import pytest
 from kubernetes import client
 
 from rankguard_operator.core.model.catalog import CATALOG_ENTRIES
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.vllm_sandbox import engine_pynvml, weight_downloads
+from rankguard_sim.fake_vllm.sandbox import engine_pynvml, weight_downloads
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import Node
 
 from .conftest import apply_service, condition, example, get_llmservice, wait_for

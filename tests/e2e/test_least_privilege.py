@@ -25,7 +25,7 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.cluster import ControlPlane
+from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import OperatorProcess
 
 from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_llmservice, wait_for

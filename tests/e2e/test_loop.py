@@ -13,8 +13,8 @@ from kubernetes.client.rest import ApiException
 from rankguard_operator.core.budget.kv_model import min_budget_for_one_request
 from rankguard_operator.core.model.resolve import resolve
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.kubelet import wait_for_pids_gone
+from rankguard_sim.kube.cluster import ControlPlane
+from rankguard_sim.kubelet.kubelet import wait_for_pids_gone
 
 from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_llmservice, wait_for
 

@@ -26,8 +26,8 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
-from rankguard_sim.cluster import ControlPlane
-from rankguard_sim.kubelet import ProcessKubelet
+from rankguard_sim.kube.cluster import ControlPlane
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import OperatorProcess, create_namespace, install_crd, wait_node_schedulable
 

@@ -26,9 +26,9 @@ import pytest
 
 from rankguard_agent import __version__
 from rankguard_agent.launcher import engine_env
-from rankguard_sim.agent_install import BUNDLE_ENV, ENTRY
-from rankguard_sim.image import AGENT_ENTRY, build_image
-from rankguard_sim.kubelet import ProcessKubelet
+from rankguard_sim.kubelet.agent_install import BUNDLE_ENV, ENTRY
+from rankguard_sim.kubelet.image import AGENT_ENTRY, build_image
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
 from rankguard_sim.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -30,8 +30,9 @@ from rankguard_agent.model_files import (
 from rankguard_agent.model_watch import ModelWatch
 from rankguard_agent.wire.report import Report
 from rankguard_agent.wire.report_model import ParamTally
-from rankguard_sim import fake_vllm, gpus
-from rankguard_sim.scenario_file import SCENARIO_ENV, builtin_dir
+from rankguard_sim.fake_vllm.main import PEAK_HOLD_ENV, TIME_SCALE_ENV
+from rankguard_sim.physics import gpus
+from rankguard_sim.physics.scenario_file import SCENARIO_ENV, builtin_dir
 
 # -- where the model lives ----------------------------------------------------------------------
 
@@ -124,8 +125,8 @@ async def test_the_launched_agent_reports_the_files_the_fake_vllm_downloaded(
             gpus.GPU_ROOT_ENV: str(root),
             VISIBLE_DEVICES_ENV: ",".join(uuids),
             SCENARIO_ENV: str(scenario),
-            fake_vllm.TIME_SCALE_ENV: "50",
-            fake_vllm.PEAK_HOLD_ENV: "0.05",
+            TIME_SCALE_ENV: "50",
+            PEAK_HOLD_ENV: "0.05",
         }
     )
     env.pop("HF_HOME", None)

@@ -30,9 +30,9 @@ from rankguard_operator.core.observe.pods import (
 from rankguard_operator.core.render.deployment import render_deployment, vllm_args
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step import scrape_targets
-from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
-from rankguard_sim.scenario_data import GIB, Scenario
-from rankguard_sim.scenario_file import builtin_names, load_scenario
+from rankguard_sim.physics.engine_outcome import outcome, true_max_safe_kv
+from rankguard_sim.physics.scenario_data import GIB, Scenario
+from rankguard_sim.physics.scenario_file import builtin_names, load_scenario
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

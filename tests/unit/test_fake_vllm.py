@@ -24,13 +24,14 @@ from pathlib import Path
 import pytest
 
 from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
-from rankguard_sim import fake_vllm, gpus
-from rankguard_sim.engine_config import engine_config
-from rankguard_sim.engine_failures import KV_CACHE_TOO_SMALL
-from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
-from rankguard_sim.engine_outcome import outcome, true_max_safe_kv
-from rankguard_sim.scenario_data import Scenario
-from rankguard_sim.scenario_file import SCENARIO_ENV, load_scenario
+from rankguard_sim.fake_vllm.main import FAIL_STARTUP_ENV, HOST_MEMORY_FILE_ENV, PEAK_HOLD_ENV, TIME_SCALE_ENV
+from rankguard_sim.physics import gpus
+from rankguard_sim.physics.engine_config import engine_config
+from rankguard_sim.physics.engine_failures import KV_CACHE_TOO_SMALL
+from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger, rank_memory
+from rankguard_sim.physics.engine_outcome import outcome, true_max_safe_kv
+from rankguard_sim.physics.scenario_data import Scenario
+from rankguard_sim.physics.scenario_file import SCENARIO_ENV, load_scenario
 from rankguard_sim.vllm_snapshot import format_gib, message, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,8 +60,8 @@ class World:
             gpus.GPU_ROOT_ENV: str(self.root),
             VISIBLE_DEVICES_ENV: ",".join(self.uuids),
             SCENARIO_ENV: self.scenario.name,
-            fake_vllm.TIME_SCALE_ENV: "50",
-            fake_vllm.PEAK_HOLD_ENV: "0.05",
+            TIME_SCALE_ENV: "50",
+            PEAK_HOLD_ENV: "0.05",
         }
         env.update(extra)
         return env
@@ -171,7 +172,7 @@ def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(ru
     port = free_port()
     args = model_args(world, "--gpu_memory_utilization=0.87", "--port", str(port), "--host", "127.0.0.1")
     args += ["--served-model-name", "llama"]
-    proc, out, _ = runner.start(world, args, **{fake_vllm.PEAK_HOLD_ENV: "0.3"})
+    proc, out, _ = runner.start(world, args, **{PEAK_HOLD_ENV: "0.3"})
     wait_for(lambda: http_get(port, "/health")[0] == 200)
 
     # Every rank holds its allocation under this process's pid, the same on every rank; GPU 0
@@ -223,7 +224,7 @@ def test_a_running_load_reports_running_and_waiting_requests(runner: Runner) -> 
     world = runner.world("llama3-70b-tp4")
     port = free_port()
     args = model_args(world, "--gpu-memory-utilization", "0.87", "--max-num-seqs", "64", "--port", str(port))
-    proc, _, _ = runner.start(world, args, **{fake_vllm.PEAK_HOLD_ENV: "0.2"})
+    proc, _, _ = runner.start(world, args, **{PEAK_HOLD_ENV: "0.2"})
     wait_for(lambda: http_get(port, "/health")[0] == 200)
 
     def busy() -> bool:
@@ -337,7 +338,7 @@ def test_unknown_flags_and_bad_choices_exit_2_like_argparse(runner: Runner) -> N
 
 def test_a_non_memory_startup_failure_exits_1_without_an_oom(runner: Runner) -> None:
     world = runner.world("llama3-70b-tp4")
-    rc, _, err = runner.run(world, model_args(world), **{fake_vllm.FAIL_STARTUP_ENV: "weights are corrupt"})
+    rc, _, err = runner.run(world, model_args(world), **{FAIL_STARTUP_ENV: "weights are corrupt"})
     assert rc == 1
     assert "RuntimeError: weights are corrupt" in err and "Engine core initialization failed" in err
     assert "CUDA out of memory" not in err
@@ -362,7 +363,7 @@ def test_host_memory_is_reported_and_sigterm_during_startup_exits_0(runner: Runn
     proc, _, _ = runner.start(
         world,
         model_args(world),
-        **{fake_vllm.HOST_MEMORY_FILE_ENV: str(host_file), fake_vllm.TIME_SCALE_ENV: "1"},
+        **{HOST_MEMORY_FILE_ENV: str(host_file), TIME_SCALE_ENV: "1"},
     )
     hm = world.scenario.host_memory
     assert hm is not None

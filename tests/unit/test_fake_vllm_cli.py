@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from rankguard_sim import vllm_args, vllm_console, vllm_ledger
-from rankguard_sim.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
-from rankguard_sim.engine_memory import TAG_TRANSIENT
-from rankguard_sim.scenario_file import load_scenario
+from rankguard_sim.fake_vllm import args as vllm_args
+from rankguard_sim.fake_vllm import console as vllm_console
+from rankguard_sim.fake_vllm import ledger as vllm_ledger
+from rankguard_sim.physics.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
+from rankguard_sim.physics.engine_memory import TAG_TRANSIENT
+from rankguard_sim.physics.scenario_file import load_scenario
 from rankguard_sim.vllm_snapshot import snapshot
 
 GIB = 1 << 30

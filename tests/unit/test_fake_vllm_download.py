@@ -13,10 +13,10 @@ from model_checkpoints import LLAMA3_8B_CONFIG, LLAMA3_8B_PARAMS
 
 from rankguard_agent.model_files import model_dir, read_model_files
 from rankguard_agent.wire.report_model import ParamTally
-from rankguard_sim.checkpoint_tensors import checkpoint_tensors
-from rankguard_sim.hf_download import download, hf_hub_cache
-from rankguard_sim.scenario_data import ScenarioError
-from rankguard_sim.scenario_file import builtin_dir, builtin_names, load_scenario, parse_scenario
+from rankguard_sim.fake_vllm.hf_download import download, hf_hub_cache
+from rankguard_sim.physics.checkpoint_tensors import checkpoint_tensors
+from rankguard_sim.physics.scenario_data import ScenarioError
+from rankguard_sim.physics.scenario_file import builtin_dir, builtin_names, load_scenario, parse_scenario
 
 # Qwen/Qwen1.5-MoE-A2.7B's config.json (the parts the layout needs, as published).
 QWEN2_MOE: dict[str, Any] = {

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_sim.agent_install import install
-from rankguard_sim.image import build_image
-from rankguard_sim.kubelet import ProcessKubelet
-from rankguard_sim.podproc import CONTAINER_ENV, container_pids, exit_from_returncode
-from rankguard_sim.podspec import (
+from rankguard_sim.kubelet.agent_install import install
+from rankguard_sim.kubelet.image import build_image
+from rankguard_sim.kubelet.kubelet import ProcessKubelet
+from rankguard_sim.kubelet.podproc import CONTAINER_ENV, container_pids, exit_from_returncode
+from rankguard_sim.kubelet.podspec import (
     ImageTable,
     IpPool,
     PathMap,
@@ -41,7 +41,7 @@ from rankguard_sim.podspec import (
     quantity_bytes,
     resolve_executable,
 )
-from rankguard_sim.podstatus import (
+from rankguard_sim.kubelet.podstatus import (
     ContainerView,
     Termination,
     container_status,
@@ -53,8 +53,8 @@ from rankguard_sim.podstatus import (
     pod_status,
     termination_message,
 )
-from rankguard_sim.podvolumes import volume_files
-from rankguard_sim.probes import ProbeSpec, ProbeTimer, check_http, check_tcp, parse_probe
+from rankguard_sim.kubelet.podvolumes import volume_files
+from rankguard_sim.kubelet.probes import ProbeSpec, ProbeTimer, check_http, check_tcp, parse_probe
 
 FACTS = PodFacts(
     pod_ip="127.0.0.7", host_ip="127.0.0.1", node_name="gpu-1", node_allocatable={"memory": "8Gi"}

@@ -14,8 +14,11 @@ The layers (which room may import which) are import-linter's contracts (.importl
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,42 @@ def test_modules_are_split_by_responsibility_not_grown_without_bound(root: str) 
         f"over {EXPLAIN_ABOVE} lines without saying at the top why it is one module:\n"
         + "\n".join(unexplained)
     )
+
+
+# One wrong import per contract of .importlinter, each in a module of the room it must not leave.
+WRONG_IMPORTS: dict[str, str] = {
+    "operator/rankguard_operator/core/spec/fields.py": "import rankguard_operator.core.step.world",  # upward
+    "operator/rankguard_operator/core/units.py": "import kopf",  # core does no I/O
+    "operator/rankguard_operator/edge/reads.py": "import rankguard_sim.waiting",  # operator -> sim
+    "operator/rankguard_operator/edge/scrape.py": "import rankguard_agent.launcher",  # beyond the wire
+    "agent/rankguard_agent/workers.py": "import rankguard_operator.core.units",  # agent -> operator
+    "agent/rankguard_agent/wire/termination.py": "import rankguard_agent.constants",  # wire -> agent
+    "sim/rankguard_sim/physics/gpus.py": "import rankguard_sim.world",  # upward in the sandbox
+    "sim/rankguard_sim/kubelet/podmeta.py": "import rankguard_operator.core.units",  # sim -> model
+    "sim/rankguard_sim/physics/engine_config.py": "import rankguard_agent.wire.report",  # physics -> agent
+}
+
+
+def test_every_import_contract_breaks_on_a_wrong_import(tmp_path: Path) -> None:
+    """The contracts are not vacuous: a copy of the tree with one wrong import per contract
+    breaks every one of them (and the tree as it is keeps them all, `make lint`)."""
+    for root in SOURCE_ROOTS.values():
+        shutil.copytree(ROOT / root, tmp_path / root, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, line in WRONG_IMPORTS.items():
+        path = tmp_path / rel
+        text = path.read_text()
+        at = text.index("\nfrom __future__ import annotations\n") + len(
+            "\nfrom __future__ import annotations\n"
+        )
+        path.write_text(text[:at] + line + "\n" + text[at:])
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    lint = Path(sys.executable).parent / "lint-imports"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(tmp_path / r) for r in SOURCE_ROOTS.values())}
+    proc = subprocess.run(
+        [str(lint), "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True, check=False
+    )
+    out = " ".join(proc.stdout.split())
+    contracts = len(re.findall(r"^\[importlinter:contract:", (ROOT / ".importlinter").read_text(), re.M))
+    assert proc.returncode != 0, out
+    assert f"Contracts: 0 kept, {contracts} broken." in out, out
+    assert contracts == len(WRONG_IMPORTS)

@@ -26,7 +26,7 @@ from rankguard_operator.core.model.resolve import (
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
-from rankguard_sim.hf_download import checkpoint_files
+from rankguard_sim.fake_vllm.hf_download import checkpoint_files
 
 LLAMA70 = dict(CATALOG_ENTRIES["llama-3-70b"]["config"])
 

@@ -33,7 +33,7 @@ from rankguard_operator.edge.scrape import (
     agent_error_of,
     close_shared_session,
 )
-from rankguard_sim.cluster import free_port
+from rankguard_sim.kube.cluster import free_port
 
 BOUND = 60.0
 SAYS = "ModuleNotFoundError: No module named 'aiohttp'"

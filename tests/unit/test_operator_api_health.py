@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.api_health import HEALTH, KopfRetryFilter
 from rankguard_operator.edge.metrics import API_ERRORS, API_OUTAGES, API_REACHABLE
-from rankguard_sim.cluster import free_port
+from rankguard_sim.kube.cluster import free_port
 
 
 @pytest.fixture

@@ -19,12 +19,12 @@ import pytest
 import yaml
 
 from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
-from rankguard_sim import gpus
-from rankguard_sim.fake_vllm import PEAK_HOLD_ENV, TIME_SCALE_ENV
-from rankguard_sim.hf_download import checkpoint
-from rankguard_sim.image import pynvml_file
-from rankguard_sim.scenario_file import SCENARIO_ENV, builtin_dir, load_scenario
-from rankguard_sim.vllm_sandbox import engine_pynvml, weight_downloads
+from rankguard_sim.fake_vllm.hf_download import checkpoint
+from rankguard_sim.fake_vllm.main import PEAK_HOLD_ENV, TIME_SCALE_ENV
+from rankguard_sim.fake_vllm.sandbox import engine_pynvml, weight_downloads
+from rankguard_sim.kubelet.image import pynvml_file
+from rankguard_sim.physics import gpus
+from rankguard_sim.physics.scenario_file import SCENARIO_ENV, builtin_dir, load_scenario
 from rankguard_sim.vllm_snapshot import download_log_seconds, message, snapshot
 from rankguard_sim.waiting import wait_for
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_sim import gpus
+from rankguard_sim.physics import gpus
 
 GIB = 1 << 30
 UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_sim import gpus as simgpus
-from rankguard_sim.nodegpus import MigLayout, NodeGpus, profile_slices
-from rankguard_sim.nodes import gfd_labels, label_value, node_status
-from rankguard_sim.podspec import pod_gpu_count, pod_mig_counts
+from rankguard_sim.kubelet.nodegpus import MigLayout, NodeGpus, profile_slices
+from rankguard_sim.kubelet.nodes import gfd_labels, label_value, node_status
+from rankguard_sim.kubelet.podspec import pod_gpu_count, pod_mig_counts
+from rankguard_sim.physics import gpus as simgpus
 
 GIB, MIB = 1 << 30, 1 << 20
 

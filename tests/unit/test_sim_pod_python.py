@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rankguard_sim.image import build_image
-from rankguard_sim.pod_python import pod_address, split_options
+from rankguard_sim.kubelet.image import build_image
+from rankguard_sim.kubelet.pod_python import pod_address, split_options
 from rankguard_sim.waiting import wait_for
 
 POD_A, POD_B = "127.0.0.201", "127.0.0.202"

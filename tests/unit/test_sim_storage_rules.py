@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from rankguard_sim import provisioner as prov
-from rankguard_sim.podspec import SpecError
-from rankguard_sim.podvolumes import claim_path, claim_volume_name
+from rankguard_sim.kube import provisioner as prov
+from rankguard_sim.kubelet.podspec import SpecError
+from rankguard_sim.kubelet.podvolumes import claim_path, claim_volume_name
 
 
 def claim(**over: Any) -> dict[str, Any]:

@@ -364,12 +364,6 @@ def recognise_initial_free(line: str) -> InitialFree | Unparsed | None:
     return InitialFree(text=line.strip(), free_bytes=_gib(m.group(1)), reserved_bytes=_gib(m.group(2)))
 
 
-def recognise_kv(line: str) -> KVObservation | KVTooSmall | None:
-    """The first KV line this line says (see `recognise_kv_all` for lines that say two)."""
-    found = recognise_kv_all(line)
-    return found[0] if found else None
-
-
 def recognise_kv_all(line: str) -> list[KVObservation | KVTooSmall]:
     if "max seq len" in line:
         m = _KV_TOO_SMALL.search(line)

@@ -179,12 +179,6 @@ async def _read(kind: str, name: str, call: Callable[[], Any]) -> dict[str, Any]
     return dict(api().sanitize_for_serialization(obj))
 
 
-async def get_deployment(namespace: str, name: str) -> dict[str, Any] | None:
-    return await _read(
-        "Deployment", name, lambda: client.AppsV1Api(api()).read_namespaced_deployment(name, namespace)
-    )
-
-
 async def get_configmap(namespace: str, name: str) -> dict[str, Any] | None:
     """A ConfigMap (spec.model.configMap), or None when it does not exist."""
     return await _read(

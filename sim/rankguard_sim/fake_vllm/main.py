@@ -64,22 +64,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rankguard_sim import gpus
-from rankguard_sim.engine_config import EngineConfig, EngineConfigError
-from rankguard_sim.engine_failures import EngineFailure, GpuLost
-from rankguard_sim.engine_memory import EngineMemoryModel, KVPlan
-from rankguard_sim.hf_download import (
-    CachedRepo,
-    CheckpointFile,
-    checkpoint,
-    hf_hub_cache,
-    is_repo_id,
-    prepare,
-)
-from rankguard_sim.scenario_data import Scenario, ScenarioError
-from rankguard_sim.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
-from rankguard_sim.vllm_args import VLLM_VERSION, config_from_args, non_default_args, parse_args
-from rankguard_sim.vllm_console import (
+from rankguard_sim.fake_vllm.args import VLLM_VERSION, config_from_args, non_default_args, parse_args
+from rankguard_sim.fake_vllm.console import (
     ENGINE_DEAD,
     ENGINE_INIT_FAILED,
     Console,
@@ -87,14 +73,28 @@ from rankguard_sim.vllm_console import (
     traceback_lines,
     worker_name,
 )
-from rankguard_sim.vllm_ledger import FileLedger, select_gpus
-from rankguard_sim.vllm_metrics import Metrics
-from rankguard_sim.vllm_sandbox import (
+from rankguard_sim.fake_vllm.hf_download import (
+    CachedRepo,
+    CheckpointFile,
+    checkpoint,
+    hf_hub_cache,
+    is_repo_id,
+    prepare,
+)
+from rankguard_sim.fake_vllm.ledger import FileLedger, select_gpus
+from rankguard_sim.fake_vllm.metrics import Metrics
+from rankguard_sim.fake_vllm.sandbox import (
     DOWNLOAD_MESSAGE,
     ENGINE_PYNVML,
     bind_address,
     engine_pynvml_origin,
 )
+from rankguard_sim.physics import gpus
+from rankguard_sim.physics.engine_config import EngineConfig, EngineConfigError
+from rankguard_sim.physics.engine_failures import EngineFailure, GpuLost
+from rankguard_sim.physics.engine_memory import EngineMemoryModel, KVPlan
+from rankguard_sim.physics.scenario_data import Scenario, ScenarioError
+from rankguard_sim.physics.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
 from rankguard_sim.vllm_snapshot import download_log_seconds, format_gib, message, where
 
 TIME_SCALE_ENV = "RANKGUARD_SIM_TIME_SCALE"

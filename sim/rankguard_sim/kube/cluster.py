@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rankguard_sim.certs import Pki, make_pki
-from rankguard_sim.testbin import testbin_dir
+from rankguard_sim.kube.certs import Pki, make_pki
+from rankguard_sim.kube.testbin import testbin_dir
 
 if TYPE_CHECKING:
     from kubernetes import client
 
-    from rankguard_sim.provisioner import LocalProvisioner
+    from rankguard_sim.kube.provisioner import LocalProvisioner
 
 K8S_VERSION = "v1.34.4"
 READY_TIMEOUT = 120.0  # a warm start takes a few seconds; a loaded 2-core CI box needs more
@@ -188,7 +188,7 @@ class ControlPlane:
         return cp
 
     def _start_storage(self) -> None:
-        from rankguard_sim.provisioner import LocalProvisioner  # noqa: PLC0415 - it imports the client
+        from rankguard_sim.kube.provisioner import LocalProvisioner  # noqa: PLC0415 - it imports the client  # noqa: PLC0415 - it imports the client
 
         api = self.api_client()
         try:

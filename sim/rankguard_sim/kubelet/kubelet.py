@@ -70,14 +70,15 @@ from typing import Any
 from kubernetes import client
 
 from rankguard_agent.gpu.simfiles import pid_alive
-from rankguard_sim.image import build_image
-from rankguard_sim.nodegpus import MigLayout, NodeGpus
-from rankguard_sim.nodes import heartbeat, register_node
-from rankguard_sim.podapi import PodApi, Throttled
-from rankguard_sim.podmeta import TERMINAL_PHASES, meta_of
-from rankguard_sim.podspec import GPU_RESOURCE, ImageTable, IpPool
-from rankguard_sim.podwatch import PodWatch
-from rankguard_sim.podworker import PodWorker
+from rankguard_sim.kube.api import Throttled
+from rankguard_sim.kubelet.image import build_image
+from rankguard_sim.kubelet.nodegpus import MigLayout, NodeGpus
+from rankguard_sim.kubelet.nodes import heartbeat, register_node
+from rankguard_sim.kubelet.podapi import PodApi
+from rankguard_sim.kubelet.podmeta import TERMINAL_PHASES, meta_of
+from rankguard_sim.kubelet.podspec import GPU_RESOURCE, ImageTable, IpPool
+from rankguard_sim.kubelet.podwatch import PodWatch
+from rankguard_sim.kubelet.podworker import PodWorker
 
 log = logging.getLogger("rankguard_sim.kubelet")
 

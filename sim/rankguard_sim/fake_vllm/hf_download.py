@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rankguard_sim.checkpoint_tensors import TensorSpec, checkpoint_tensors
+from rankguard_sim.physics.checkpoint_tensors import TensorSpec, checkpoint_tensors
 
 MAX_SHARD_BYTES = 5 * 1000**3  # huggingface's save_pretrained default, max_shard_size="5GB"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?$")

@@ -16,9 +16,14 @@ from typing import Any
 
 import yaml
 
-from rankguard_sim.checkpoint_tensors import CheckpointConfigError, checkpoint_tensors, head_dim, text_config
-from rankguard_sim.engine_config import DTYPE_BYTES
-from rankguard_sim.scenario_data import (
+from rankguard_sim.physics.checkpoint_tensors import (
+    CheckpointConfigError,
+    checkpoint_tensors,
+    head_dim,
+    text_config,
+)
+from rankguard_sim.physics.engine_config import DTYPE_BYTES
+from rankguard_sim.physics.scenario_data import (
     DISABLED_BY,
     GIB,
     LOGITS_MODES,

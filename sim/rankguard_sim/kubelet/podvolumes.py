@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rankguard_sim.podspec import ObjectLookup, Pod, PodFacts, SpecError, field_value
+from rankguard_sim.kubelet.podspec import ObjectLookup, Pod, PodFacts, SpecError, field_value
 
 # (the pod, a projected serviceAccountToken source) -> a token
 TokenSource = Callable[[Pod, Mapping[str, Any]], str]

@@ -20,11 +20,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.podcontainers import ContainerSlot, PodContainers
-from rankguard_sim.podmeta import TERMINAL_PHASES, spec_of
-from rankguard_sim.podnode import PodNode
-from rankguard_sim.podproc import Exit
-from rankguard_sim.podspec import (
+from rankguard_sim.kubelet.podcontainers import ContainerSlot, PodContainers
+from rankguard_sim.kubelet.podmeta import TERMINAL_PHASES, spec_of
+from rankguard_sim.kubelet.podnode import PodNode
+from rankguard_sim.kubelet.podproc import Exit
+from rankguard_sim.kubelet.podspec import (
     GPU_RESOURCE,
     SpecError,
     device_count,
@@ -33,9 +33,9 @@ from rankguard_sim.podspec import (
     pod_mig_counts,
     resolve_executable,
 )
-from rankguard_sim.podstatus import KUBELET_CONDITIONS, pod_phase, pod_status
-from rankguard_sim.podvolumes import claim_path, claim_volume_name, volume_files
-from rankguard_sim.probes import ProbeSpec, check_http, check_tcp
+from rankguard_sim.kubelet.podstatus import KUBELET_CONDITIONS, pod_phase, pod_status
+from rankguard_sim.kubelet.podvolumes import claim_path, claim_volume_name, volume_files
+from rankguard_sim.kubelet.probes import ProbeSpec, check_http, check_tcp
 
 log = logging.getLogger("rankguard_sim.kubelet")
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rankguard_sim.engine_config import KV_CACHE_DTYPE_BYTES, EngineConfig
-from rankguard_sim.engine_failures import (
+from rankguard_sim.physics.engine_config import KV_CACHE_DTYPE_BYTES, EngineConfig
+from rankguard_sim.physics.engine_failures import (
     CudaOutOfMemory,
     GpuLost,
     KVCacheTooSmall,
@@ -26,7 +26,7 @@ from rankguard_sim.engine_failures import (
     SamplerWarmupOOM,
     StartupFreeMemoryError,
 )
-from rankguard_sim.scenario_data import MIB, PHASES, Scenario
+from rankguard_sim.physics.scenario_data import MIB, PHASES, Scenario
 from rankguard_sim.vllm_snapshot import null_blocks
 
 # vLLM's gpu_worker.py leaves this much when it suggests a --kv-cache-memory-bytes value

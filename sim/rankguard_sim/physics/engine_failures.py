@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rankguard_sim.scenario_data import GIB, KIB, MIB
+from rankguard_sim.physics.scenario_data import GIB, KIB, MIB
 from rankguard_sim.vllm_snapshot import format_gib, message
 
 # Outcome reasons (the world's words; the agent recognises the printed messages instead).

@@ -16,8 +16,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
-from rankguard_sim.podapi import Throttled, raw_call
-from rankguard_sim.podmeta import meta_of
+from rankguard_sim.kube.api import Throttled, raw_call
+from rankguard_sim.kubelet.podmeta import meta_of
 
 Pod = dict[str, Any]
 

@@ -22,7 +22,7 @@ rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguar
                            bundle's entry agent/rankguard-agent (to DEST/rankguard-agent) and
                            pynvml, when installed, into DEST, as the agent image's init step.
                            RANKGUARD_SIM_AGENT_BUNDLE=broken in its env leaves the package's
-                           server.py out (rankguard_sim.agent_install), a fault for tests.
+                           server.py out (rankguard_sim.kubelet.agent_install), a fault for tests.
 =========================  ==================================================================
 """
 
@@ -35,15 +35,15 @@ import site
 import sys
 from pathlib import Path
 
-from rankguard_sim.podspec import ImageTable
+from rankguard_sim.kubelet.podspec import ImageTable
 from rankguard_sim.vllm_snapshot import version as vllm_version
 
-SIM_DIR = Path(__file__).resolve().parents[1]  # the repo's sim/ source root
+SIM_DIR = Path(__file__).resolve().parents[2]  # the repo's sim/ source root
 REPO = SIM_DIR.parent
 AGENT_PACKAGE = REPO / "agent" / "rankguard_agent"
 AGENT_ENTRY = REPO / "agent" / "rankguard-agent"  # `python3 <bundle>/rankguard-agent launch …`
 VLLM_SHIM = SIM_DIR / "rankguard_sim" / "bin" / "vllm"
-POD_PYTHON = SIM_DIR / "rankguard_sim" / "pod_python.py"
+POD_PYTHON = SIM_DIR / "rankguard_sim" / "kubelet" / "pod_python.py"
 
 # An image's ENTRYPOINT and CMD, used when a container gives no `command`.
 DEFAULT_ENTRYPOINTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -101,7 +101,7 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     )
     nvml = pynvml_file()
     install = _script(
-        f"PYTHONPATH={q(str(SIM_DIR))} exec {q(python)} -S -m rankguard_sim.agent_install "
+        f"PYTHONPATH={q(str(SIM_DIR))} exec {q(python)} -S -m rankguard_sim.kubelet.agent_install "
         f"--agent {q(str(AGENT_PACKAGE))} --entry {q(str(AGENT_ENTRY))}"
         + (f" --pynvml {q(nvml)}" if nvml else "")
         + ' "$@"\n'

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
-from rankguard_sim.engine_config import EngineConfig, engine_config
-from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.physics.engine_config import EngineConfig, engine_config
+from rankguard_sim.physics.scenario_data import Scenario
 from rankguard_sim.vllm_snapshot import snapshot, version
 
 VLLM_VERSION = version()

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
-from rankguard_sim import gpus as simgpus
-from rankguard_sim.podmeta import meta_of, pod_key, spec_of
-from rankguard_sim.podnode import PodNode
-from rankguard_sim.podproc import ContainerProcess, Exit
-from rankguard_sim.podspec import (
+from rankguard_sim.kubelet.podmeta import meta_of, pod_key, spec_of
+from rankguard_sim.kubelet.podnode import PodNode
+from rankguard_sim.kubelet.podproc import ContainerProcess, Exit
+from rankguard_sim.kubelet.podspec import (
     DEFAULT_TERMINATION_MESSAGE_PATH,
     PathMap,
     PodFacts,
@@ -35,14 +34,15 @@ from rankguard_sim.podspec import (
     memory_limit_bytes,
     resolve_executable,
 )
-from rankguard_sim.podstatus import (
+from rankguard_sim.kubelet.podstatus import (
     ContainerView,
     Termination,
     crash_loop_message,
     exit_reason,
     termination_message,
 )
-from rankguard_sim.probes import ProbeTimer, parse_probe
+from rankguard_sim.kubelet.probes import ProbeTimer, parse_probe
+from rankguard_sim.physics import gpus as simgpus
 
 log = logging.getLogger("rankguard_sim.kubelet")
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankguard_agent.gpu.simfiles import DEFAULT_NAME
-from rankguard_sim import gpus as simgpus
-from rankguard_sim.nodes import gfd_labels
-from rankguard_sim.scenario_data import Scenario
-from rankguard_sim.scenario_file import load_scenario
+from rankguard_sim.kubelet.nodes import gfd_labels
+from rankguard_sim.physics import gpus as simgpus
+from rankguard_sim.physics.scenario_data import Scenario
+from rankguard_sim.physics.scenario_file import load_scenario
 
 GIB = 1 << 30
 DEFAULT_GPU_TOTAL_BYTES = 80 * GIB

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from rankguard_sim.engine_config import EngineConfig, engine_config
-from rankguard_sim.engine_failures import EngineFailure
-from rankguard_sim.engine_memory import EngineMemoryModel, PureLedger, rank_memory
-from rankguard_sim.scenario_data import Scenario, gib
+from rankguard_sim.physics.engine_config import EngineConfig, engine_config
+from rankguard_sim.physics.engine_failures import EngineFailure
+from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger, rank_memory
+from rankguard_sim.physics.scenario_data import Scenario, gib
 
 # ---------------------------------------------------------------------------------------------
 # Questions a benchmark asks
@@ -185,10 +184,6 @@ def true_max_safe_kv(
         headroom_per_rank=tuple(headroom),
         peak_running_seqs=peak,
     )
-
-
-def true_max_safe_kv_bytes(scenario: Scenario, **flags: Any) -> int:
-    return true_max_safe_kv(scenario, **flags).kv_bytes
 
 
 def describe(scenario: Scenario) -> Iterator[str]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from rankguard_sim.podapi import PodApi
-from rankguard_sim.podspec import ImageTable
+from rankguard_sim.kubelet.podapi import PodApi
+from rankguard_sim.kubelet.podspec import ImageTable
 
 
 class PodNode(Protocol):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from rankguard_sim import gpus
+from rankguard_sim.physics import gpus
 
 ALLOCATION_TAG = "vllm"
 OTHER_TAG = "cuda-context"

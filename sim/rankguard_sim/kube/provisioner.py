@@ -42,7 +42,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.podapi import Throttled, raw_call
+from rankguard_sim.kube.api import Throttled, raw_call
 
 log = logging.getLogger("rankguard_sim.provisioner")
 

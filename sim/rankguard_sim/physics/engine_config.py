@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.physics.scenario_data import Scenario
 from rankguard_sim.vllm_snapshot import default_block_size, kv_cache_dtypes, snapshot
 
 

@@ -47,8 +47,8 @@ from typing import Any, NoReturn
 POD_IP_ENV = "RANKGUARD_SIM_POD_IP"
 IPV4_WILDCARDS = ("", "0.0.0.0")
 IPV6_WILDCARDS = ("", "::")
-# python's options without a value (`python3 --help`); -c and -m end the options
-_FLAGS = frozenset("bBdEhiIOPqRsSuvVx?")
+# python's options that take a value (`python3 --help`); -c and -m end the options, and any other
+# letter is a flag python knows or one it will refuse itself
 _VALUED = frozenset("XW")
 
 

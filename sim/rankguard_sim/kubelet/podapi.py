@@ -8,43 +8,18 @@ through `Throttled`, one line per distinct message per interval.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rankguard_sim.podmeta import meta_of, pod_key, spec_of
+from rankguard_sim.kube.api import Throttled, raw_call
+from rankguard_sim.kubelet.podmeta import meta_of, pod_key, spec_of
 
 log = logging.getLogger("rankguard_sim.kubelet")
-
-
-def raw_call(call: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Call the API and return the JSON body as a dict (the sim works on plain dicts)."""
-    resp = call(*args, _preload_content=False, **kwargs)
-    try:
-        doc = json.loads(resp.data)
-    finally:
-        resp.release_conn()
-    return doc if isinstance(doc, dict) else {}
-
-
-class Throttled:
-    """Logs one warning per distinct message per interval: API trouble must not flood logs."""
-
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self._last: dict[str, float] = {}
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(msg, -1e9) >= self.every:
-            self._last[msg] = now
-            log.warning(msg, *args)
 
 
 class PodApi:

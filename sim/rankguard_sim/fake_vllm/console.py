@@ -13,15 +13,15 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from rankguard_sim.engine_failures import (
+from rankguard_sim.physics.engine_failures import (
     CudaOutOfMemory,
     EngineFailure,
     GpuLost,
     NoKVCacheMemory,
     SamplerWarmupOOM,
 )
-from rankguard_sim.engine_memory import TAG_SERVING_COMM
-from rankguard_sim.scenario_data import Scenario
+from rankguard_sim.physics.engine_memory import TAG_SERVING_COMM
+from rankguard_sim.physics.scenario_data import Scenario
 
 ENGINE_INIT_FAILED = (
     "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"

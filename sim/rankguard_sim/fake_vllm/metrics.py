@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from rankguard_sim.engine_config import EngineConfig
-from rankguard_sim.engine_memory import KVPlan
+from rankguard_sim.physics.engine_config import EngineConfig
+from rankguard_sim.physics.engine_memory import KVPlan
 
 
 class Metrics:
