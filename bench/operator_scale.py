@@ -354,7 +354,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--services", default="25,100", help="comma-separated N, each on a fresh control plane")
     ap.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
-    # A pod unschedulable for 30 s turns its service Degraded (core/blockers.py): one status write
+    # A pod unschedulable for 30 s turns its service Degraded (core/observe/blockers.py): one status write
     # and one Event per service, once; at N=1,000 those spread over minutes. Not the steady state.
     ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last status, at least")
     ap.add_argument("--quiet", type=float, default=30.0, help="then until no LLMService changed this long")

@@ -3,10 +3,10 @@ by the bench itself, and one aiohttp server answering `/report` for all of them.
 
 No GPU node exists, so every serving pod stays Pending (the steady state the bench measures).
 For the cohort the bench plays the kubelet: a Node with no GPUs (so the scheduler places no
-TP8 pod there by itself) kept alive as a kubelet does (rankguard_sim.nodes: Ready condition and
+TP8 pod there by itself) kept alive as a kubelet does (rankguard_sim.kubelet.nodes: Ready condition and
 Lease renewals, or the node-lifecycle controller would taint it and evict the pods), each cohort
 pod bound to it through the pods/binding subresource and given a kubelet-shaped Running/Ready
-status (rankguard_sim.podstatus) with its own address 127.0.1.x. The reports are the agent's
+status (rankguard_sim.kubelet.podstatus) with its own address 127.0.1.x. The reports are the agent's
 own `Report` objects, serialised with its own `to_json`, and checked with the operator's
 `parse_report` before anything is served; each pod is told apart by the local address its
 request arrived on.

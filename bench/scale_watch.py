@@ -101,13 +101,15 @@ class ServiceWatch:
     def wait_quiet(self, quiet: float, deadline: float) -> bool:
         """Wait until no LLMService changed for `quiet` seconds; False if that never happened
         before `deadline` (an operator that keeps changing status: measured as it is)."""
-        while (now := time.monotonic()) < deadline:
+        while True:
+            now = time.monotonic()
             with self._cond:
                 last = self.modified[-1] if self.modified else 0.0
             if now - last >= quiet:
-                return True
+                return True  # checked once more after the last sleep: one that overshot counts
+            if now >= deadline:
+                return False
             time.sleep(min(1.0, quiet - (now - last), deadline - now))
-        return False
 
     def modified_between(self, start: float, end: float) -> int:
         with self._cond:

@@ -5,7 +5,7 @@
 
 1. The operator image: `--version` answers, the agent CLI inside it answers `--version`, it
    holds neither the sandbox (rankguard_sim) nor test tools, and it runs as 65532:65532.
-2. The operator image against a real control plane (rankguard_sim.cluster.ControlPlane, the
+2. The operator image against a real control plane (rankguard_sim.kube.cluster.ControlPlane, the
    binaries of hack/testbin): host network, a kubeconfig mounted read-only, the CRD installed.
    After `kubectl apply -f examples/llama3-70b-tp4.yaml` the API server must hold the
    Deployment the operator rendered (its init container from RANKGUARD_AGENT_IMAGE) and the

@@ -11,7 +11,7 @@ the BEGIN/END markers of crds/llmservice.yaml.
     python hack/pod-template-schema/generate.py --check    # exit 1 when the block is stale
     python hack/pod-template-schema/generate.py --openapi FILE   # kubectl get --raw /openapi/v3/api/v1
 
-Without --openapi it starts the sandbox's control plane (rankguard_sim.cluster; `make testbin`
+Without --openapi it starts the sandbox's control plane (rankguard_sim.kube.cluster; `make testbin`
 builds it) and reads the document that API server serves: it carries the enums, which the
 copy checked into k8s.io/kubernetes lacks.
 Which PodSpec fields are passed through is rankguard_operator.core.pod_template.POD_FIELDS.
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--openapi", type=Path, help="the core group's OpenAPI v3 document (JSON)")
     parser.add_argument("--check", action="store_true", help="exit 1 when the CRD's block is stale")
     args = parser.parse_args(argv)
-    source = str(args.openapi) if args.openapi else "a sandbox API server (rankguard_sim.cluster)"
+    source = str(args.openapi) if args.openapi else "a sandbox API server (rankguard_sim.kube.cluster)"
     doc = json.loads(args.openapi.read_text()) if args.openapi else _live_openapi()
     properties = template_spec_properties(doc)
     current = CRD.read_text()

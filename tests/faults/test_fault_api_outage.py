@@ -64,6 +64,17 @@ def test_control_plane_outage_recovers_without_restart_and_logs_it_once(
     # Letting time pass is the point: the operator must live through the outage on its own.
     died = let_time_pass(OUTAGE_SECONDS[component], stop=lambda: not d.op.alive(), every=0.5)
     assert not died, f"the operator exited during the {component} outage"
+    # ... and it lasts until the operator has said so: on a loaded machine its first failing
+    # call may end later than that (against etcd each one waits out the API server's timeout),
+    # and a component back before then leaves nothing unreachable to report.
+    wait_for(
+        f"the operator to log '{UNREACHABLE}'",
+        lambda: any(UNREACHABLE in ln for ln in _lines(d)[before:]) or not d.op.alive(),
+        120,
+        every=0.5,
+        dump=lambda: _lines(d)[-40:],  # not d.dump: it reads the services from the API, down now
+    )
+    assert d.op.alive(), f"the operator exited during the {component} outage"
     d.cp.restart(component)
     up_at = time.monotonic()
 

@@ -190,21 +190,21 @@ def test_a_grandchild_holding_the_pipes_does_not_hold_the_exit(
     child = py(
         f"""
         import subprocess, sys
-        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # inherits stdout/stderr
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # inherits stdout/stderr
         open({str(pidfile)!r}, "w").write(str(g.pid))
         print("engine done", flush=True)
         """
     )
-    t0 = time.monotonic()
     try:
         proc = run(sim_env, tlog, child)
-        elapsed = time.monotonic() - t0
+        # The launcher is back while the grandchild, which only the kill below ends, still runs.
+        still = Path(f"/proc/{int(pidfile.read_text())}").exists()
+        assert still, "the launcher waited for the grandchild instead of the engine"
     finally:
         if pidfile.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
     assert proc.returncode == 0 and proc.stdout == b"engine done\n"
-    assert elapsed < 30, "the launcher waited for the grandchild instead of the engine"
     assert b"pipes stayed open" in proc.stderr
     assert message(tlog).reason == COMPLETED
 

@@ -85,13 +85,12 @@ def test_two_ranks_measure_their_communicator_cost(world: tuple[Path, dict[str, 
 def test_a_failing_rank_is_reported_and_the_probe_does_not_hang(world: tuple[Path, dict[str, str]]) -> None:
     root, env = world
     write_device(root, "GPU-r1", index=1, total_bytes=80 * GIB, comm_init_bytes=GIB, lost=True)
-    t0 = time.monotonic()
     result = run_probe(cfg(timeout_s=120.0), env)
-    elapsed = time.monotonic() - t0
     assert not result.ok
-    assert elapsed < 60, "the survivor must be stopped soon after its peer fails, not at the deadline"
     r0, r1 = result.ranks
     assert r1.error is not None and "GpuIsLost" in r1.error
+    # The survivor was stopped soon after its peer failed, not at the deadline: it says "aborted
+    # ... rank 1 failed" (the failure grace), where the deadline would have said "timed out".
     assert r0.error is not None and r0.error.startswith("aborted") and "rank 1 failed" in r0.error
     assert r0.free_before_bytes == 79 * GIB  # what it measured before it was stopped survives
     assert result.error is not None and result.error.startswith("rank 1 failed")
@@ -150,15 +149,15 @@ def test_sigterm_during_the_probe_stops_the_launcher_before_the_engine(
             line = proc.stderr.readline()
             assert line, seen
             seen += line
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        seen += proc.communicate(timeout=60)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM
-    assert time.monotonic() - t0 < 20
+    # the probe was stopped at once (cancelled), not run to its end first
+    assert b"probe failed: probe cancelled" in seen, seen[-2000:]
     assert not marker.exists()
     m = parse_termination_message(tlog.read_text())
     assert (m.reason, m.signal) == ("Signaled", signal.SIGTERM)

@@ -17,6 +17,7 @@ from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
 from rankguard_agent.wire.report import ProbeRank, ProbeResult, parse_report
+from rankguard_sim.waiting import wait_for
 
 GIB = 1 << 30
 
@@ -172,11 +173,12 @@ async def test_a_taken_port_leaves_the_agent_running_without_its_api(root: Path)
     try:
         await second.start()
         assert first.serving and not second.serving
-        for _ in range(100):  # the sampler runs on regardless
-            if second.sampler.ticks_total >= 2:
-                break
-            await asyncio.sleep(0.02)
-        assert second.sampler.is_up()
+
+        def ticking() -> bool:  # the sampler runs on regardless
+            return second.sampler.ticks_total >= 2 and second.sampler.is_up()
+
+        # waited for, not given a fixed time: a loaded machine may start its thread late
+        await asyncio.to_thread(wait_for, "the second agent's sampler to tick", ticking, 30, 0.02)
     finally:
         await second.stop()
         await first.stop()

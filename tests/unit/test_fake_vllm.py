@@ -186,13 +186,15 @@ def test_serves_health_and_metrics_with_a_safe_budget_and_releases_on_sigterm(ru
     assert own[0] == own[1] == own[2] == own[3] > 60 * GIB
     assert world.used(0) > world.used(1) == world.used(2) == world.used(3)
 
-    # The transient peaks are held long enough for a 10 Hz sampler to see them.
+    # The transient peaks are held long enough for a 10 Hz sampler to see them: sampled at 10 Hz
+    # until rank 0 shows two levels, waited for because a loaded machine may reach a peak later.
     seen = set()
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
+
+    def peaked() -> bool:
         seen.add(world.used(0))
-        time.sleep(0.1)
-    assert len(seen) >= 2, "no transient peak observed on rank 0"
+        return len(seen) >= 2
+
+    wait_for(peaked, timeout=30, every=0.1)  # no transient peak observed on rank 0 otherwise
 
     status, metrics = http_get(port, "/metrics")
     assert status == 200
@@ -360,7 +362,7 @@ def test_too_few_gpus_is_an_engine_error(runner: Runner) -> None:
 def test_host_memory_is_reported_and_sigterm_during_startup_exits_0(runner: Runner, tmp_path: Path) -> None:
     world = runner.world("host-oomkilled")
     host_file = tmp_path / "host" / "memory.json"
-    proc, _, _ = runner.start(
+    proc, out, _ = runner.start(
         world,
         model_args(world),
         **{HOST_MEMORY_FILE_ENV: str(host_file), TIME_SCALE_ENV: "1"},
@@ -378,10 +380,14 @@ def test_host_memory_is_reported_and_sigterm_during_startup_exits_0(runner: Runn
     doc = json.loads(host_file.read_text())
     assert doc == {"pid": proc.pid, "rss_bytes": hm.after_load_bytes, "peak_rss_bytes": hm.after_load_bytes}
     assert world.files(), "weights should be on the GPU while loading"
-    started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
-    assert time.monotonic() - started < 3  # promptly, not after the start-up finishes
+    # Promptly, not after the start-up finishes (4.5 s more at this time scale): its log ends
+    # with the shutdown, and the start-up's last lines never came.
+    log = out.read_text()
+    assert "INFO:     Shutting down" in log
+    assert "init engine (profile, create kv cache, warmup model) took" not in log, log[-3000:]
+    assert "Application startup complete." not in log
     assert world.files() == []
 
 

@@ -1,4 +1,4 @@
-"""One GPU's size from the node's GPU Feature Discovery labels (core/gpu_labels), and how the
+"""One GPU's size from the node's GPU Feature Discovery labels (core/budget/gpu_labels), and how the
 step plans with it: before any agent measured the GPU, and for a MIG slice over what the
 agents' NVML totals say (they may be the parent GPU's).
 

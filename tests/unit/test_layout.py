@@ -173,3 +173,19 @@ def test_every_import_contract_breaks_on_a_wrong_import(tmp_path: Path) -> None:
     assert proc.returncode != 0, out
     assert f"Contracts: 0 kept, {contracts} broken." in out, out
     assert contracts == len(WRONG_IMPORTS)
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    """docs/architecture.md's tree ("Where things live") is the map a newcomer reads the loop
+    from: every module of the operator, the agent and the sandbox is on it by name."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text[text.index("## Where things live") : text.index("## The one data path")]
+    missing = [
+        str(f.relative_to(ROOT))
+        for f in _files()
+        if f.suffix == ".py"
+        and f.name != "__init__.py"
+        and any(f.is_relative_to(ROOT / r) for r in SOURCE_ROOTS.values())
+        and not re.search(rf"\b{re.escape(f.stem)}\b", tree)
+    ]
+    assert not missing, "docs/architecture.md's tree does not name:\n" + "\n".join(missing)

@@ -1,5 +1,5 @@
-"""Where a service's model shape comes from (core/model_source.py), and weights from the
-checkpoint's own headers (core/checkpoint_weights.py) held against config.json arithmetic."""
+"""Where a service's model shape comes from (core/model/resolve.py), and weights from the
+checkpoint's own headers (core/model/checkpoint.py) held against config.json arithmetic."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the operator exports per LLMService (core/service_figures, edge/metrics): the gauges
+"""What the operator exports per LLMService (core/status/figures, edge/metrics): the gauges
 read from the status as written, memory terminations counted whatever was done about them,
 one log sentence per phase change, and every series gone with the service."""
 

@@ -1,4 +1,4 @@
-"""The image's `python3` stand-in (rankguard_sim.pod_python): the python command line, and a
+"""The image's `python3` stand-in (rankguard_sim.kubelet.pod_python): the python command line, and a
 wildcard bind that binds the pod's own IP, the sandbox's stand-in for network namespaces.
 
 Run for real: every test starts the stand-in as a subprocess, as a container would."""

@@ -4,7 +4,7 @@
     <root>/<uuid>/procs/<pid>-<tag>.json   one allocation of one process
 
 It lives on the agent's side because the agent must never import `rankguard_sim`; the
-sandbox world (`rankguard_sim.gpus`) builds its devices and allocations on these functions,
+sandbox world (`rankguard_sim.physics.gpus`) builds its devices and allocations on these functions,
 so the two sides cannot drift apart. Standard library only: the agent runs in a vLLM image.
 
 Every write is atomic (a temp file in the same folder, then `os.replace`): a reader that

@@ -19,10 +19,10 @@ class Condition(str, Enum):
     DEGRADED = "Degraded"
     REMEDIATING = "Remediating"
     BUDGET_PLANNED = "BudgetPlanned"
-    ENGINE_RULES = "EngineRules"  # which recorded vLLM snapshot's rules apply (core/engine_status)
-    MODEL_RESOLVED = "ModelResolved"  # where the shape came from, or why measure-first (core/model_source)
-    MODEL_CACHE_READY = "ModelCacheReady"  # spec.modelCache's claim is bound (core/model_cache)
-    AGENT_READY = "AgentReady"  # every ready serving pod's agent reports (core/agent_ready)
+    ENGINE_RULES = "EngineRules"  # which recorded vLLM snapshot's rules apply (core/status/engine)
+    MODEL_RESOLVED = "ModelResolved"  # where the shape came from, or why measure-first (core/model/resolve)
+    MODEL_CACHE_READY = "ModelCacheReady"  # spec.modelCache's claim is bound (core/render/claim)
+    AGENT_READY = "AgentReady"  # every ready serving pod's agent reports (core/observe/agent_ready)
 
 
 class Phase(str, Enum):

@@ -14,7 +14,7 @@ same holds for the Deployment, read from kopf's watch: the object our own apply 
 used until the watch has delivered it (or something newer).
 
 Only pods whose owner chain leads to this LLMService's Deployment are passed to the step
-(core/ownership); the others are counted once each in `rankguard_operator_pods_ignored_total`.
+(core/observe/ownership); the others are counted once each in `rankguard_operator_pods_ignored_total`.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ async def cleanup(**_: Any) -> None:
 
 
 def _controller_refs(meta: kopf.Meta | dict[str, Any]) -> list[dict[str, Any]]:
-    """The controller ownerReference only (what core/ownership checks), not the whole list."""
+    """The controller ownerReference only (what core/observe/ownership checks), not the whole list."""
     return [
         {"kind": r.get("kind"), "name": r.get("name"), "uid": r.get("uid"), "controller": True}
         for r in meta.get("ownerReferences") or []

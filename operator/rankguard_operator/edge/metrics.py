@@ -131,7 +131,7 @@ PER_SERVICE = (
 
 
 class ServiceGauges(Collector):
-    """The per-service gauges read from each pass's status (core/service_figures): a snapshot
+    """The per-service gauges read from each pass's status (core/status/figures): a snapshot
     per service, exported as it stands at scrape time, so a series that is no longer true
     (an old phase, a rank no longer reported, a deleted service) is simply not there."""
 

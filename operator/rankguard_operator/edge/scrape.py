@@ -7,7 +7,7 @@ reason to act (DESIGN §5). The operator keeps running whatever an agent sends.
 Each pass also says, per pod, why its report is missing (`AgentMiss`: unreachable, the
 agent's fallback answering 503 with `{"agentError": ...}`, another status, oversized,
 malformed) and since when it has been missing without a break, for the AgentReady
-condition (core/agent_ready). Of a 503's body only a bounded read of `agentError` is used,
+condition (core/observe/agent_ready). Of a 503's body only a bounded read of `agentError` is used,
 as a string, cut to one short line; nothing else in it is trusted.
 
 One aiohttp session (one connection pool) and one concurrency bound serve every LLMService of

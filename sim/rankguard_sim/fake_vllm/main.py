@@ -19,7 +19,7 @@ engine starts), the weight files while the workers load, at the scenario's
 `download.bytes_per_second` (default 1 GB/s) over the real checkpoint's size, scaled like the
 other phases; each worker then logs vLLM's "Time spent downloading weights for …" line when
 that took longer than vLLM's threshold (0.5 s). Files already in the cache (a model-cache
-volume) cost nothing and print nothing. `vllm_sandbox.weight_downloads(log)` reads those lines back.
+volume) cost nothing and print nothing. `fake_vllm.sandbox.weight_downloads(log)` reads those lines back.
 
 Not vLLM's: at start it imports `pynvml` the way the engine does (vLLM's torch imports it)
 and prints where it came from on one line prefixed `rankguard-sim:`

@@ -78,7 +78,7 @@ def write_vllm_dist_info(folder: Path) -> Path:
 
 
 def _script(body: str) -> str:
-    return "#!/bin/sh\n# Written by the rankguard process kubelet (rankguard_sim.image).\n" + body
+    return "#!/bin/sh\n# Written by the rankguard process kubelet (rankguard_sim.kubelet.image).\n" + body
 
 
 def build_image(folder: Path, python: str = sys.executable) -> ImageTable:

@@ -13,7 +13,7 @@ Where the sandbox differs from a real node, and only here:
 
 * Images. Nothing is pulled. A container's `command[0]` (after the image's ENTRYPOINT /
   CMD rules for containers that give no command) must be in a small, explicit table
-  (rankguard_sim.image): `python3`/`python` → this interpreter without rankguard's own
+  (rankguard_sim.kubelet.image): `python3`/`python` → this interpreter without rankguard's own
   packages, `vllm` → the fake vLLM, `rankguard-agent-install DEST` → a copy of
   agent/rankguard_agent (and pynvml) into DEST. The table's folder is first on the
   container's PATH. Any other command fails to start with reason StartError, exit code
@@ -29,7 +29,7 @@ Where the sandbox differs from a real node, and only here:
 * Network. Each pod gets its own loopback address 127.0.0.X (X from 2 to 254, reused
   after deletion) as pod IP, and every container RANKGUARD_SIM_POD_IP = that address: the
   sandbox's stand-in for the pod's network namespace. A container may bind the pod IP
-  ($(POD_IP)) or a wildcard: the image's python (rankguard_sim.pod_python) and the fake
+  ($(POD_IP)) or a wildcard: the image's python (rankguard_sim.kubelet.pod_python) and the fake
   vLLM turn a bind to 0.0.0.0 ("", and :: on a dual-stack socket) into a bind to the pod
   IP, so pods can listen on the same port apart, as in their own namespaces. IPv6-only
   wildcards and other programs' binds are not rewritten; 127.0.0.1 is the host's, not the

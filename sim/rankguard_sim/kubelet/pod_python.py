@@ -5,7 +5,7 @@ The process kubelet gives pods no network namespace: every pod has its own loopb
 (127.0.0.X, its pod IP) on the host's one network stack. A program in a real pod that binds
 a wildcard address (0.0.0.0, "", or :: on a dual-stack socket) is reachable on the pod's IP
 only, and another pod can bind the same port; here it would take the port on every host
-address. So the image's `python3`/`python` stand-in (rankguard_sim.image) runs
+address. So the image's `python3`/`python` stand-in (rankguard_sim.kubelet.image) runs
 
     python -S <this file> <stand-in path> <image site path> ARGS…
 

@@ -76,7 +76,7 @@ def node_gpu_memory(labels: Mapping[str, str], resource: str, node: str = "") ->
 
 def gpu_from_nodes(nodes: Mapping[str, Mapping[str, str]], resource: str) -> NodeGpu | None:
     """The smallest GPU the serving pods' nodes state (a mixed pool plans for its smallest
-    card, as `budget.learned_gpu_bytes` does with the agents' totals); None when none says."""
+    card, as `observe.headroom.learned_gpu_bytes` does with the agents' totals); None when none says."""
     found = [g for name, labels in sorted(nodes.items()) if (g := node_gpu_memory(labels, resource, name))]
     if not found:
         return None
@@ -91,7 +91,7 @@ def slice_bytes(node: NodeGpu | None) -> int | None:
 
 def planning_gpu_bytes(learned: int | None, node: NodeGpu | None) -> int | None:
     """One GPU's size for the plans where spec.memory.gpuMemoryBytes is unset (the spec's value
-    wins over both, `budget.prior_plan`). `learned` is what the agents measured
+    wins over both, `budget.bounds.prior_plan`). `learned` is what the agents measured
     (status.gpuMemoryBytes).
 
     * No label: the agents' figure (or nothing yet).

@@ -1,7 +1,7 @@
 """The per-rank KV-cache budget planner. Pure functions over plain data: no I/O, no clock.
 
-(Over 400 lines because `make_plan` is one computation read top to bottom, rank by rank, with
-its input and output types beside it; the pieces it adds up live in `memory_model`, `weights` and `kv_model`.)
+`make_plan` is one computation read top to bottom, rank by rank, with its input and output
+types beside it; the pieces it adds up live in `memory_model`, `model.weights` and `kv_model`.
 
 Why per rank: under tensor parallelism vLLM applies ONE KV budget to every rank (it takes the
 minimum of the workers' block counts, and `--kv-cache-memory-bytes` is one number "per GPU"),
@@ -13,7 +13,7 @@ article") and shared/reference/vllm-memory-facts.md ("the facts").
 
 API
 ---
-    shape = resolve_model("meta-llama/Meta-Llama-3-70B")            # rankguard_operator.core.models
+    shape = resolve_model("meta-llama/Meta-Llama-3-70B")            # rankguard_operator.core.model.resolve
     plan = make_plan(PlanInput(shape=shape, tp=8, gpu_memory_bytes=80 * GiB,
                                max_num_seqs=128, logits_mode="gather"))
     plan.kv_cache_memory_bytes   # pass as --kv-cache-memory-bytes (same on every rank)
@@ -125,7 +125,7 @@ class PlanInput:
     measured: tuple[RankMeasurement, ...] = ()
     pp_layer_partition: tuple[int, ...] | None = None  # as VLLM_PP_LAYER_PARTITION; None: vLLM's split
     quantization: str | None = None  # vLLM --quantization on an unquantised checkpoint (e.g. fp8)
-    # Weight bytes per rank read from the checkpoint's own headers (`checkpoint_weights`),
+    # Weight bytes per rank read from the checkpoint's own headers (`model.checkpoint`),
     # indexed by global rank; replaces the config.json arithmetic where given.
     checkpoint_weights: tuple[int, ...] | None = None
     # Measure-first (an architecture the priors cannot describe): every rank's non-KV figure

@@ -7,7 +7,7 @@ each comes from the vLLM snapshot (`--gpu-memory-utilization` and its alias
 alias in a new vLLM is owned the day its snapshot is recorded. `--config FILE` is refused: a
 file could set any owned option behind the operator's back, and the operator cannot read it.
 
-Every other extraArgs item is read as vLLM would read it (core/vllm_cli.py): an unknown flag,
+Every other extraArgs item is read as vLLM would read it (core/engine/vllm_cli.py): an unknown flag,
 a missing or mistyped value, a `"--max-num-seqs 64"` written as one item are refused with the
 item named, before anything is deployed.
 
@@ -22,7 +22,7 @@ from rankguard_operator.core.engine.vllm_cli import VllmCli
 from rankguard_operator.core.names import VLLM_HTTP_PORT
 
 # The `--quantization` methods rankguard renders from spec.model.quantization on an unquantised
-# checkpoint: the ones whose weight sizes the planner models (core/quantization.runtime_scheme).
+# checkpoint: the ones whose weight sizes the planner models (core/model/quantization.runtime_scheme).
 RUNTIME_QUANTIZATION = ("fp8",)
 
 # vLLM dest -> the spec field to use instead (None: not user-settable at all).

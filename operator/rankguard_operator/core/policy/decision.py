@@ -31,10 +31,10 @@ class PolicyInput:
     new_terminations: Sequence[Termination] = ()  # not yet handled (the caller dedups by key)
     rollout: RolloutState | None = None
     history: Sequence[Remediation] = ()
-    plan: Plan | None = None  # budget.initial_plan(spec, measured=...) or None
+    plan: Plan | None = None  # budget.bounds.initial_plan(spec, measured=...) or None
     low_headroom_since: float | None = None  # track_low_headroom
     ample_headroom_since: float | None = None  # track_ample_headroom
-    budget_key: str | None = None  # budget.budget_key(spec) when `current` was chosen; None: unknown
+    budget_key: str | None = None  # budget.bounds.budget_key(spec) when `current` was chosen; None: unknown
     node_memory_bytes: int | None = None  # the node's allocatable memory, a cap for raising the limit
 
 

@@ -1,7 +1,7 @@
 """spec.modelCache: the claim rankguard creates (or the user names), and the ModelCacheReady
 condition that says whether it is bound.
 
-The edge reads the claim every pass (`pod_world.reads` says which; None when it does not exist)
+The edge reads the claim every pass (`step.surroundings.reads` says which; None when it does not exist)
 and carries out `ApplyClaim` before the Deployment's apply, so the first pod finds its claim.
 A claim's spec is mostly immutable: a change the API server refuses goes the executor's
 ApplyRefused way (Degraded with the server's message, retried each pass), never a crash loop.

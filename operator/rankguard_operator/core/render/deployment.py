@@ -6,7 +6,7 @@ edits to other fields survive. The agent is injected the way the OpenTelemetry o
 injects auto-instrumentation: an init container copies the pure-Python agent into an
 emptyDir, and the vLLM container's command becomes
 `python3 /opt/rankguard/agent/rankguard-agent launch … -- vllm serve MODEL FLAGS…` (DESIGN §2
-step 2). The user's `spec.template` (core/pod_template) is merged last: their env, volumes,
+step 2). The user's `spec.template` (core/spec/template) is merged last: their env, volumes,
 scheduling fields and sidecars around what rankguard owns. The model cache (spec.modelCache)
 is a PersistentVolumeClaim mounted at its mountPath with HF_HOME pointing there.
 

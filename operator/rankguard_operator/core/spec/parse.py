@@ -1,7 +1,8 @@
 """`ServiceSpec`: an LLMService's `spec`, parsed and checked, with the CRD's defaults applied.
 
-(Over 400 lines because it mirrors the CRD's spec section by section, one parser per section,
-so a reader can hold it against crds/llmservice.yaml; the field readers live in `spec_fields`.)
+It mirrors the CRD's spec section by section, one parser per section, so a reader can hold it
+against crds/llmservice.yaml (its defaults and enums are `spec.crd`'s; the field readers live in
+`spec.fields`, the pod's sections in `spec.pod` and `spec.template`).
 
 The API server already validates and defaults the spec (crds/llmservice.yaml, OpenAPI +
 CEL), but the operator must not trust that alone: it can run against an older CRD, and tests

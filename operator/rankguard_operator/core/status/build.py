@@ -307,7 +307,7 @@ def build_status(
     """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
     status to `status_patch`: fields set to None here are removed, other fields are kept.
     `blocker`: (reason, message) of something observed that keeps the service from serving
-    (core/blockers), Degraded while it lasts unless this pass's decision says more."""
+    (core/observe/blockers), Degraded while it lasts unless this pass's decision says more."""
     parsed = history_from_status(list(history))
     last = parsed[-1] if parsed else None
     conditions = _conditions(

@@ -79,10 +79,10 @@ class ServiceState:
     pending: PendingRemediation | None = None
     low_headroom_since: float | None = None
     ample_headroom_since: float | None = None
-    unschedulable_since: float | None = None  # core/blockers' clock
+    unschedulable_since: float | None = None  # core/observe/blockers' clock
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
-    # status.engine (core/engine_status): vLLM's own per-rank memory rows, kept from the
+    # status.engine (core/status/engine): vLLM's own per-rank memory rows, kept from the
     # start-up that printed them (only a start without --kv-cache-memory-bytes does), and the
     # least free memory a worker found at start-up, both for the budget key they were measured
     # under; read them through `kept_engine`

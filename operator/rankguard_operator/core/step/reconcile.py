@@ -1,9 +1,10 @@
 """One reconcile step of an LLMService, as a pure function: `step(state, world) -> Step`.
 
 (The step reads as the loop does, top to bottom, in one place; its inputs and outputs live in
-`step_io`, its state in `service_state`, its effects in `effects`, the pod-shaped conditions in
-`pod_world`, what the pods show that no decision answers in `blockers`, and the budgets no GPU
-can run and the one Event per change of Degraded in `failing`.)
+`step.world`, its state in `status.service_state`, its effects in `effects`, the pod-shaped
+conditions in `step.surroundings`, what the pods show that no decision answers in
+`observe.blockers`, the budgets no GPU can run in `budget.fits`, and the one Event per change of
+Degraded in `status.degraded`.)
 
 `state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
 is what the edge observed for this pass (the spec, the Deployment, the pods, the agents'
@@ -59,7 +60,7 @@ from rankguard_operator.core.status.degraded import degraded_event, said_before
 from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.status.patch import merged_status, status_patch
 from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.step import surroundings as pod_world
+from rankguard_operator.core.step import surroundings
 from rankguard_operator.core.step.world import (
     ReportInput,
     Settings,
@@ -81,8 +82,8 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     try:
         spec = parse_spec(world.spec)
         model = resolve(spec, world.model_config, state.learned_model)
-        node_gpu = pod_world.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
-        # a budget no start can have is refused before anything is deployed (core/failing)
+        node_gpu = surroundings.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+        # a budget no start can have is refused before anything is deployed (core/budget/fits)
         check_budget_fits(spec, model, gpu_size(spec, state.gpu_memory_bytes, node_gpu))
         prior = prior_plan(spec, planning_gpu_bytes(state.gpu_memory_bytes, node_gpu), model)
     except SpecError as e:
@@ -121,7 +122,7 @@ class _Pass:
         self.node_gpu = node_gpu
 
     def gpu(self, learned: int | None) -> int | None:
-        """One GPU's size for the plans: the agents' figure or the nodes' labels (core/gpu_labels)."""
+        """One GPU's size for the plans: the agents' figure or the nodes' labels (core/budget/gpu_labels)."""
         return planning_gpu_bytes(learned, self.node_gpu)
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class _Pass:
     def run(self) -> Step:
         w, spec, state = self.world, self.spec, self.state
         first = not state.service_applied
-        self.effects += pod_world.claim_effects(
+        self.effects += surroundings.claim_effects(
             w, spec, first_pass=first, observed_generation=state.observed_generation
         )
         self.finish_pending()
@@ -353,7 +354,7 @@ class _Pass:
         event = model_event(state.raw.get("model"), self.model)
         if event is not None:
             self.effects.append(PostEvent(*event, repeat=True))
-        settled = pod_world.settle(
+        settled = surroundings.settle(
             new_status["conditions"],
             w,
             spec,

@@ -4,7 +4,7 @@ do not report, and the GPU size the nodes' labels state.
 `reconcile.step` calls three functions here, so the step itself grows by a few lines:
 
 * `claim_effects`: the `ApplyClaim` to carry out before anything is rolled.
-* `node_gpu`: one GPU's size from the nodes' GPU Feature Discovery labels (core/gpu_labels),
+* `node_gpu`: one GPU's size from the nodes' GPU Feature Discovery labels (core/budget/gpu_labels),
   where the spec does not give it.
 * `settle`: the ModelCacheReady and AgentReady conditions, and one Event per change of
   either's reason (not per pass: the previous condition, as stored, says what was said).

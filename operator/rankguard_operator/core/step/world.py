@@ -1,7 +1,7 @@
 """The inputs and outputs of one reconcile step (`Settings`, `World`, `Step`) and the small pure
 helpers around it: times, termination keys, the remediation id a Deployment carries, the
-Deployment as it stands after an apply, and which pods to scrape. Split from `reconcile` so
-the step itself reads top to bottom; `reconcile` re-exports everything here.
+Deployment as it stands after an apply, and which pods to scrape. Apart from `reconcile` so
+the step itself reads top to bottom; the room's face (`core.step`) hands them on to the edge.
 
 Pure: no I/O, no clock.
 """
@@ -64,7 +64,7 @@ class World:
     reports: Sequence[ReportInput] = ()
     model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
     cache_claim: Mapping[str, Any] | None = None  # spec.modelCache's claim as read (None: not there)
-    agent_misses: Sequence[AgentMiss] = ()  # why scraped pods sent no valid report (core/agent_ready)
+    agent_misses: Sequence[AgentMiss] = ()  # why scraped pods sent no valid report (core/observe/agent_ready)
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # serving pods' nodes
 
 
@@ -76,7 +76,7 @@ class Step:
     phase: str = ""
     agents_unavailable: tuple[str, ...] = ()  # ready pods past the bound without a report
     # seconds after which a verdict falls due with nothing else changing (a pod unschedulable
-    # for long enough, core/blockers): the edge should pass again by then; None: no such clock
+    # for long enough, core/observe/blockers): the edge should pass again by then; None: no such clock
     pass_again_after: float | None = None
     spec: ServiceSpec | None = None  # the spec as this step parsed it (None: refused)
     # the vLLM terminations this step saw for the first time (not yet in handledTerminations)

@@ -1,0 +1,62 @@
+"""The steady state and the trackers the caller keeps between decisions.
+
+When no rule applies the decision still explains itself; the trackers (low and ample headroom
+since when, last-known-good flags) are pure, previous value in and next value out, and decide
+when rules 7 and 9 fire and what a rollback returns to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policy_world import AMPLE, COMPLETE, CUR, HEALTHY, LKG, LOW, MINH, NOW, PROGRESSING, SPEC, inp, obs, term
+
+from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.policy import (
+    decide,
+    next_last_known_good,
+    track_ample_headroom,
+    track_low_headroom,
+)
+from rankguard_operator.core.units import GiB
+
+
+def test_steady() -> None:
+    d = decide(inp())
+    assert (d.action, d.reason, d.rank, d.flags, d.handled) == ("none", "Stable", 0, CUR, ())
+    assert not d.changes_flags and "bottleneck rank 0 has 2Gi headroom" in d.message
+    assert decide(inp(observation=None)).reason == "NoFreshData"
+
+
+def test_track_low_headroom() -> None:
+    assert track_low_headroom(None, LOW, SPEC, NOW) == NOW
+    assert track_low_headroom(NOW - 30, LOW, SPEC, NOW) == NOW - 30
+    assert track_low_headroom(NOW - 30, HEALTHY, SPEC, NOW) is None
+    assert track_low_headroom(NOW - 30, obs(MINH), SPEC, NOW) is None  # at the minimum is fine
+    assert track_low_headroom(NOW - 30, obs(GiB, stale=True), SPEC, NOW) == NOW - 30
+    assert track_low_headroom(None, None, SPEC, NOW) is None
+
+
+def test_track_ample_headroom() -> None:
+    assert track_ample_headroom(None, AMPLE, SPEC, NOW) == NOW
+    assert track_ample_headroom(NOW - 5, AMPLE, SPEC, NOW) == NOW - 5
+    assert track_ample_headroom(NOW - 5, obs(2 * MINH), SPEC, NOW) == NOW - 5  # boundary: 2 × minimum
+    assert track_ample_headroom(NOW - 5, obs(2 * MINH - 1), SPEC, NOW) is None
+    assert track_ample_headroom(NOW - 5, None, SPEC, NOW) == NOW - 5
+
+
+def test_last_known_good() -> None:
+    def lkg(**kw: Any) -> ServingFlags | None:
+        args: dict[str, Any] = {"spec": SPEC, "rollout": COMPLETE, "observation": HEALTHY}
+        args.update(kw)
+        return next_last_known_good(LKG, CUR, **args)
+
+    assert lkg() == CUR
+    assert lkg(rollout=PROGRESSING) == LKG
+    assert lkg(rollout=None) == LKG
+    assert lkg(observation=LOW) == LKG
+    assert lkg(observation=obs(GiB, stale=True)) == LKG
+    assert lkg(terminations=[term()]) == LKG
+    assert lkg(terminations=[term(flags=LKG)]) == CUR  # an old pod's crash says nothing about CUR
+    assert lkg(terminations=[term("Other")]) == CUR
+    assert next_last_known_good(LKG, None, spec=SPEC, rollout=COMPLETE, observation=HEALTHY) == LKG
