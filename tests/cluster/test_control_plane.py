@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from manifests import deployment_manifest
 
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.kubelet.nodes import heartbeat, node_schedulable, register_node
@@ -30,32 +31,12 @@ def test_deployment_pod_is_scheduled_on_gpu_node_and_namespace_is_collected(
     wait_for("the node to lose its not-ready taint", schedulable, timeout=90, every=1)
     assert core.read_node(node).status.capacity["nvidia.com/gpu"] == "8"
 
-    labels = {"app": "smoke"}
-    apps.create_namespaced_deployment(
-        namespace,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "smoke"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "nodeSelector": {"kubernetes.io/hostname": node},
-                        "containers": [
-                            {
-                                "name": "main",
-                                "image": "example.invalid/vllm:1",
-                                "resources": {"limits": {"nvidia.com/gpu": "2"}},
-                            }
-                        ],
-                    },
-                },
-            },
-        },
-    )
+    gpu_container = {
+        "name": "main",
+        "image": "example.invalid/vllm:1",
+        "resources": {"limits": {"nvidia.com/gpu": "2"}},
+    }
+    apps.create_namespaced_deployment(namespace, deployment_manifest(node, "smoke", [gpu_container]))
     rs = wait_for(
         "the controller-manager to create a ReplicaSet",
         lambda: apps.list_namespaced_replica_set(namespace).items,

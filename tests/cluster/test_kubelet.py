@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from manifests import deployment_manifest, pod_manifest
 
 from rankguard_sim.fake_vllm.args import VLLM_VERSION
 from rankguard_sim.kubelet.kubelet import ProcessKubelet, wait_for_pids_gone
@@ -63,20 +64,6 @@ def kubelet(api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory) -> 
 def raw_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     resp = client.CoreV1Api(api).read_namespaced_pod(name, namespace, _preload_content=False)
     return dict(json.loads(resp.data))
-
-
-def pod_manifest(node: str, name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "restartPolicy": "Never",
-            "containers": containers,
-            **spec,
-        },
-    }
 
 
 def container_status(pod: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
@@ -139,7 +126,6 @@ def test_deployment_pod_is_ready_on_its_loopback_ip_and_deleting_it_stops_everyt
     api: client.ApiClient, namespace: str, kubelet: ProcessKubelet
 ) -> None:
     apps = client.AppsV1Api(api)
-    labels = {"app": "web"}
     container = {
         "name": "main",
         "image": "python:3.11",
@@ -149,25 +135,7 @@ def test_deployment_pod_is_ready_on_its_loopback_ip_and_deleting_it_stops_everyt
         "resources": {"limits": {"nvidia.com/gpu": "2", "memory": "1Gi"}},
         "readinessProbe": {"httpGet": {"port": "http", "path": "/"}, "periodSeconds": 1},
     }
-    apps.create_namespaced_deployment(
-        namespace,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "nodeSelector": {"kubernetes.io/hostname": kubelet.node_name},
-                        "containers": [container],
-                    },
-                },
-            },
-        },
-    )
+    apps.create_namespaced_deployment(namespace, deployment_manifest(kubelet.node_name, "web", [container]))
     core = client.CoreV1Api(api)
     name = wait_for(
         "the Deployment's pod", lambda: [p.metadata.name for p in core.list_namespaced_pod(namespace).items]
