@@ -36,6 +36,7 @@ from typing import Any
 from kubernetes import client, watch
 
 from rankguard_agent.wire import termination as tm
+from rankguard_operator.core.units import iso
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import OperatorProcess, install_crd
 
@@ -123,7 +124,7 @@ def service_doc(name: str) -> dict[str, Any]:
 
 def oom_status(pod_name: str) -> dict[str, Any]:
     """The pod status a kubelet writes once vLLM died of a CUDA OOM on rank 0 and waits to restart."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    now = iso(time.time())
     message = tm.TerminationMessage(
         reason=tm.CUDA_OOM,
         exit_code=1,

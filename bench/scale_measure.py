@@ -6,13 +6,14 @@ checks them on literal inputs.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from rankguard_operator.core.units import parse_iso
 
 MIB = 1 << 20
 
@@ -37,11 +38,6 @@ class AuditEvent:
     received: float  # requestReceivedTimestamp, epoch seconds
 
 
-def parse_timestamp(text: str) -> float:
-    """An RFC 3339 timestamp as the API server writes it (…T12:00:00.123456Z) -> epoch seconds."""
-    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 def parse_audit_line(line: str | bytes) -> AuditEvent | None:
     """One line of the API server's JSON audit log; None for anything that is not an Event."""
     try:
@@ -55,12 +51,15 @@ def parse_audit_line(line: str | bytes) -> AuditEvent | None:
             what = f"{ref['resource']}/{sub}" if sub else str(ref["resource"])
         else:  # discovery, /version, /healthz: the path, without its query
             what = str(doc.get("requestURI", "?")).split("?", 1)[0]
+        received = parse_iso(doc["requestReceivedTimestamp"])
+        if received is None:
+            return None
         return AuditEvent(
             username=str((doc.get("user") or {}).get("username", "")),
             verb=verb,
             key=f"{verb} {what}",
             stage=str(doc["stage"]),
-            received=parse_timestamp(str(doc["requestReceivedTimestamp"])),
+            received=received,
         )
     except (ValueError, KeyError, TypeError):
         return None

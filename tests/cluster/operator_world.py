@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY
 from rankguard_agent.wire import termination as tm
 from rankguard_agent.wire.report import RankSample, Report
 from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_operator.core.units import iso
 from rankguard_sim.waiting import wait_for
 
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
@@ -49,7 +50,7 @@ MERGE = "application/merge-patch+json"
 
 
 def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return iso(time.time())
 
 
 @contextlib.contextmanager

@@ -55,11 +55,7 @@ def audit_line(
     return json.dumps(doc, separators=(",", ":"))
 
 
-T0 = sm.parse_timestamp("2026-12-01T12:00:00Z")
-
-
-def test_parse_timestamp_reads_the_api_servers_microseconds() -> None:
-    assert sm.parse_timestamp("2026-12-01T12:00:30.250000Z") - T0 == pytest.approx(30.25)
+T0 = 1796126400.0  # 2026-12-01T12:00:00Z
 
 
 def test_an_audit_line_names_verb_resource_and_subresource() -> None:

@@ -24,7 +24,7 @@ from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION
 from rankguard_operator.core.observe.agent_ready import AgentMiss, clean_agent_error
 from rankguard_operator.core.step import Step, reconcile
-from rankguard_operator.core.units import GiB
+from rankguard_operator.core.units import GiB, iso
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
 from rankguard_operator.edge.scrape import (
     MAX_ERROR_BODY,
@@ -136,10 +136,6 @@ async def test_a_closed_port_is_unreachable() -> None:
 
 # --------------------------------------------------------------------------------------------
 # The condition, through the step
-
-
-def iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 def ready_since(c: Cluster, at: float) -> None:
