@@ -22,41 +22,51 @@ def initial_decision(inp: PolicyInput, trigger: str) -> Decision:
             limit = cur.memory_limit_bytes
     lead = "the spec's budget inputs changed; " if trigger == T_SPEC_CHANGED else ""
     m = spec.memory
-    if m.kv_cache_memory_bytes is not None:
+
+    def start(
+        reason: str,
+        message: str,
+        *,
+        kv: int | None = None,
+        util: float | None = None,
+        rank: int | None = None,
+    ) -> Decision:
+        """The first flags: a budget in bytes (`kv`) or a utilisation (`util`), the limit kept."""
+        flags = ServingFlags(kv_cache_memory_bytes=kv, gpu_memory_utilization=util, memory_limit_bytes=limit)
         return make_decision(
             inp,
             "initial",
-            ServingFlags(kv_cache_memory_bytes=m.kv_cache_memory_bytes, memory_limit_bytes=limit),
+            flags,
             trigger=trigger,
-            reason="BudgetPinned",
-            message=f"{lead}the per-GPU KV budget is pinned at {format_bytes(m.kv_cache_memory_bytes)} by "
+            reason=reason,
+            message=lead + message,
+            rank=rank,
+            handled=handled,
+        )
+
+    if m.kv_cache_memory_bytes is not None:
+        return start(
+            "BudgetPinned",
+            f"the per-GPU KV budget is pinned at {format_bytes(m.kv_cache_memory_bytes)} by "
             "spec.memory.kvCacheMemoryBytes; rankguard measures every rank but never changes a pinned "
             "budget (it still raises the memory limit after an OOMKill)",
-            handled=handled,
+            kv=m.kv_cache_memory_bytes,
         )
     if m.gpu_memory_utilization is not None:
-        return make_decision(
-            inp,
-            "initial",
-            ServingFlags(gpu_memory_utilization=m.gpu_memory_utilization, memory_limit_bytes=limit),
-            trigger=trigger,
-            reason="UtilizationStart",
-            message=f"{lead}starting with gpu-memory-utilization {m.gpu_memory_utilization:g} "
+        return start(
+            "UtilizationStart",
+            f"starting with gpu-memory-utilization {m.gpu_memory_utilization:g} "
             "(spec.memory.gpuMemoryUtilization); the first CUDA OOM switches to an explicit per-GPU "
             "KV budget",
-            handled=handled,
+            util=m.gpu_memory_utilization,
         )
     if plan is None:
-        return make_decision(
-            inp,
-            "initial",
-            ServingFlags(gpu_memory_utilization=DEFAULT_START_UTILIZATION, memory_limit_bytes=limit),
-            trigger=trigger,
-            reason="AwaitingMeasurement",
-            message=f"{lead}one GPU's memory size is not known yet, so no per-GPU budget can be planned; "
+        return start(
+            "AwaitingMeasurement",
+            "one GPU's memory size is not known yet, so no per-GPU budget can be planned; "
             f"starting with gpu-memory-utilization {DEFAULT_START_UTILIZATION:g} until the agent reports "
             "the GPUs (set spec.memory.gpuMemoryBytes to plan before the pods run)",
-            handled=handled,
+            util=DEFAULT_START_UTILIZATION,
         )
     floor = kv_floor(spec, plan)
     target = plan.kv_cache_memory_bytes
@@ -84,19 +94,12 @@ def initial_decision(inp: PolicyInput, trigger: str) -> Decision:
             rank=b.rank,
             handled=handled,
         )
-    return make_decision(
-        inp,
-        "initial",
-        ServingFlags(kv_cache_memory_bytes=target, memory_limit_bytes=limit),
-        trigger=trigger,
-        reason="BudgetPlanned",
-        message=(
-            f"{lead}planned a per-GPU KV budget of {format_bytes(target)} from {source}{capped}: "
-            f"rank {b.rank} is the "
-            f"bottleneck (non-KV {format_bytes(b.non_kv_bytes)} of {format_bytes(b.total_bytes)}, "
-            f"{format_bytes(spec.memory.safety_margin_bytes)} safety margin); {plan.kv_tokens:,} tokens, max "
-            f"concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens"
-        ),
+    return start(
+        "BudgetPlanned",
+        f"planned a per-GPU KV budget of {format_bytes(target)} from {source}{capped}: rank {b.rank} is the "
+        f"bottleneck (non-KV {format_bytes(b.non_kv_bytes)} of {format_bytes(b.total_bytes)}, "
+        f"{format_bytes(spec.memory.safety_margin_bytes)} safety margin); {plan.kv_tokens:,} tokens, max "
+        f"concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens",
+        kv=target,
         rank=b.rank,
-        handled=handled,
     )
