@@ -1,4 +1,4 @@
-"""Oracle for rankguard_operator/core/kv_layout.py: ask the REAL vLLM how it turns per-layer KV specs
+"""Oracle for rankguard_operator/core/budget/kv_layout.py: ask the REAL vLLM how it turns per-layer KV specs
 and a --kv-cache-memory-bytes budget into blocks, tokens, max concurrency and a minimum budget.
 
     VLLM_TARGET_DEVICE=cpu ~/.cache/rankguard/vllm-0.33.0/bin/python hack/vllm-snapshot/kv_layouts.py \

@@ -24,7 +24,7 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vl
 fi
 
 export VLLM_TARGET_DEVICE=cpu
-layouts="$repo/tests/fixtures/vllm_kv_layouts.json"  # the KV-layout oracle (core/kv_layout.py's cases)
+layouts="$repo/tests/fixtures/vllm_kv_layouts.json"  # the KV-layout oracle (core/budget/kv_layout.py's cases)
 if [ "$mode" = "--check" ]; then
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
