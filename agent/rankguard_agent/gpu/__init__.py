@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-# Where the simulated GPUs live is part of their on-disk contract; re-exported for callers.
-from rankguard_agent.gpu.simfiles import SIM_ROOT_ENV as SIM_ROOT_ENV
+# Where the simulated GPUs live is part of their on-disk contract (simfiles).
+from rankguard_agent.gpu.simfiles import SIM_ROOT_ENV
 
 BACKENDS = ("auto", "nvml", "sim")
 

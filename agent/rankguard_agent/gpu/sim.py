@@ -4,8 +4,8 @@
     $RANKGUARD_SIM_GPU_ROOT/<uuid>/procs/<pid>-<tag>.json
 
 used = reserved_bytes + bytes of the live processes' files; free = max(0, total - used).
-The files themselves are read and written by `simfiles` (re-exported here for tests and
-benchmarks that build worlds).
+The files themselves are read and written by `simfiles`, the one codec of that layout (the
+sandbox world builds its GPUs on it too).
 
 The sampler reads every rank ten times a second for as long as the pod lives, so a read
 costs two stat() calls and one kill(pid, 0) per process in the common case: device.json is
