@@ -1,7 +1,9 @@
 """The operator's configuration: one object, built once at start-up from the environment.
 
 Environment (all optional):
-  RANKGUARD_WATCH_NAMESPACES  comma-separated namespaces (or globs) to watch; empty = all
+  RANKGUARD_WATCH_NAMESPACES  comma-separated namespaces (or globs) to watch; empty = all.
+                              Names narrow the watches themselves; a glob makes them
+                              cluster-wide, filtered by the handlers (`watches`)
   RANKGUARD_AGENT_IMAGE       image of the agent-install init container in serving pods
   RANKGUARD_LIVENESS_HOST/PORT  kopf's liveness endpoint /healthz (default 0.0.0.0:8080; 0 = off)
   RANKGUARD_METRICS_HOST/PORT   Prometheus metrics (default 0.0.0.0:9090; 0 = off)
@@ -27,6 +29,7 @@ being discovered later in a loop.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import socket
@@ -132,8 +135,15 @@ class OperatorConfig:
 
     @property
     def uses_namespace_patterns(self) -> bool:
-        """Namespace globs (`team-*`) need kopf's namespace scanning; exact names do not."""
+        """Some of the namespaces to watch are globs (`team-*`), not names."""
         return any(ch in ns for ns in self.watch_namespaces for ch in "*?[")
+
+    def watches(self, namespace: str | None) -> bool:
+        """Whether objects in `namespace` are this operator's: the handlers' filter, which is what
+        narrows a cluster-wide watch to the globs (see kopf_args)."""
+        if not self.watch_namespaces:
+            return True
+        return namespace is not None and any(fnmatch.fnmatchcase(namespace, g) for g in self.watch_namespaces)
 
     @property
     def settings(self) -> Settings:
@@ -146,10 +156,15 @@ class OperatorConfig:
 
     def kopf_args(self) -> dict[str, object]:
         """What to hand kopf.operator()."""
+        # Globs are matched by our handlers' filter (`watches`) on a cluster-wide watch, not by
+        # kopf's namespace scanning: kopf lists the namespaces once, then starts a watch whose own
+        # first listing it ignores, so a namespace created between the two is never watched (an
+        # operator started as a namespace is created served nothing in it; seen in the e2e tier).
+        exact = not self.uses_namespace_patterns
         return {
             "standalone": True,
-            "clusterwide": not self.watch_namespaces,
-            "namespaces": list(self.watch_namespaces),
+            "clusterwide": not (exact and self.watch_namespaces),
+            "namespaces": list(self.watch_namespaces) if exact else [],
             "liveness_endpoint": (
                 f"http://{self.liveness_host}:{self.liveness_port}/healthz" if self.liveness_port else None
             ),

@@ -91,10 +91,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.peering.standalone = True
-    # kopf scans CRDs and namespaces to resolve namespace patterns (`team-*`). Exact names or
-    # all namespaces need no scan, and the chart's account may not list either (least
-    # privilege, docs/rbac.md); a pattern needs namespaces list/watch, documented there.
-    settings.scanning.disabled = not config.uses_namespace_patterns
+    # No CRD or namespace scanning: the namespaces are given by name (the chart's account may
+    # list neither, docs/rbac.md), or the watch is cluster-wide and `_ours` filters it.
+    settings.scanning.disabled = True
     k8s.login()
     # The API calls run in worker threads (the kubernetes client is synchronous): this many at
     # once for the whole operator. asyncio's default (cores + 4) made a thousand services'
@@ -121,6 +120,12 @@ async def cleanup(**_: Any) -> None:
     await HEALTH.close()
 
 
+def _ours(namespace: str | None, memo: kopf.Memo, **_: Any) -> bool:
+    """Every handler's filter: a namespace glob is matched here, on a cluster-wide watch
+    (edge/config.py: kopf_args says why not by kopf's namespace scanning)."""
+    return _config(memo).watches(namespace)
+
+
 def _controller_refs(meta: kopf.Meta | dict[str, Any]) -> list[dict[str, Any]]:
     """The controller ownerReference only (what core/observe/ownership checks), not the whole list."""
     return [
@@ -130,7 +135,7 @@ def _controller_refs(meta: kopf.Meta | dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-@kopf.index("", "v1", "pods", labels=MANAGED)
+@kopf.index("", "v1", "pods", labels=MANAGED, when=_ours)
 async def serving_pods(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Any, Any]:
@@ -155,7 +160,7 @@ async def serving_pods(
     return {(namespace, service): pod}
 
 
-@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+@kopf.index("apps", "v1", "deployments", labels=MANAGED, when=_ours)
 async def serving_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Deployments by (namespace, name), without managedFields: the loop's view of its rollout."""
     doc = {k: v for k, v in dict(body).items() if k != "metadata"}
@@ -163,7 +168,7 @@ async def serving_deployments(namespace: str | None, name: str, body: kopf.Body,
     return {(namespace, name): doc}
 
 
-@kopf.index("apps", "v1", "replicasets", labels=MANAGED)
+@kopf.index("apps", "v1", "replicasets", labels=MANAGED, when=_ours)
 async def replicaset_owners(namespace: str | None, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
     """A ReplicaSet's UID -> its controller's UID: the middle link of a pod's owner chain."""
     refs = _controller_refs(meta)
@@ -178,23 +183,23 @@ def _wake(memo: kopf.Memo, namespace: str | None, service_label: str) -> None:
         event.set()
 
 
-@kopf.on.event("", "v1", "pods", labels=MANAGED)
+@kopf.on.event("", "v1", "pods", labels=MANAGED, when=_ours)
 async def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED, when=_ours)
 async def deployment_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
 
 
-@kopf.on.event("apps", "v1", "replicasets", labels=MANAGED)
+@kopf.on.event("apps", "v1", "replicasets", labels=MANAGED, when=_ours)
 async def replicaset_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     # a pod is vouched for once its ReplicaSet is known: look again when one arrives
     _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
 
 
-@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL, when=_ours)
 async def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A spec edit (generation ahead of status.observedGeneration) is acted on at once; our own
     status writes do not wake the loop."""
@@ -203,7 +208,7 @@ async def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: 
         _wake(memo, *service_key(namespace or "", name))
 
 
-@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=15, backoff=UNEXPECTED_BACKOFF)
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=15, backoff=UNEXPECTED_BACKOFF, when=_ours)
 async def service_daemon(
     name: str,
     namespace: str | None,
