@@ -23,7 +23,7 @@ from typing import Any
 
 from kubernetes import client
 
-from rankguard_sim.kube.cluster import ControlPlane, _die_with_parent, free_port
+from rankguard_sim.kube.cluster import ControlPlane, _die_with_parent, free_port, free_ports
 from rankguard_sim.kube.testbin import REPO_ROOT
 from rankguard_sim.kubelet.kubelet import ProcessKubelet
 from rankguard_sim.kubelet.nodegpus import MigLayout
@@ -47,8 +47,7 @@ class OperatorProcess:
     metrics_port: int = 0
 
     def start(self) -> None:
-        self.liveness_port = free_port()
-        self.metrics_port = free_port() if self.metrics else 0
+        self.liveness_port, self.metrics_port = free_ports(2) if self.metrics else (free_port(), 0)
         env = dict(os.environ)
         env.update(
             {

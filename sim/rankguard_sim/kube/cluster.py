@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,10 +56,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def free_ports(n: int, avoid: Collection[int] = ()) -> list[int]:
+    """`n` distinct free loopback ports, none in `avoid`. The sockets stay bound until all are
+    drawn: the kernel may hand a just-closed port out again, so two free_port() calls in a row
+    can return the same port (seen: an operator's liveness and metrics ports, one bind refused)."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def port_is_free(port: int) -> bool:
@@ -198,7 +211,7 @@ class ControlPlane:
             api.close()  # the provisioner made its own client from this one's configuration
 
     def _start_all(self, timeout: float) -> None:
-        etcd_port, peer_port = free_port(), free_port()
+        etcd_port, peer_port = free_ports(2, avoid=(self.apiserver_port,))
         for port in (etcd_port, peer_port, self.apiserver_port):
             if not port_is_free(port):
                 raise ControlPlaneError(
@@ -256,7 +269,7 @@ class ControlPlane:
         self._write_kubeconfig()
 
         kc = str(self.kubeconfig)
-        cm_port, sched_port = free_port(), free_port()
+        cm_port, sched_port = free_ports(2, avoid=(self.apiserver_port, etcd_port, peer_port))
         cm = Component(
             "kube-controller-manager",
             [
