@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -26,6 +25,7 @@ import pytest
 
 from rankguard_agent import __version__
 from rankguard_agent.launcher import engine_env
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.kubelet.agent_install import BUNDLE_ENV, ENTRY
 from rankguard_sim.kubelet.image import AGENT_ENTRY, build_image
 from rankguard_sim.kubelet.kubelet import ProcessKubelet
@@ -93,13 +93,6 @@ def assert_engine_kept_off_the_bundle(said: dict[str, Any], bundle: Path, other:
     assert str(bundle) not in said["PYTHONPATH"].split(os.pathsep)
     for name in ("rankguard_agent", "pynvml"):
         assert said[name] is None or not Path(said[name]).is_relative_to(bundle), (name, said[name])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def get_when_served(url: str, timeout: float = 30) -> tuple[int, bytes]:

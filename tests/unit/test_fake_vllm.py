@@ -11,7 +11,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
 from rankguard_sim.fake_vllm.main import FAIL_STARTUP_ENV, HOST_MEMORY_FILE_ENV, PEAK_HOLD_ENV, TIME_SCALE_ENV
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.physics import gpus
 from rankguard_sim.physics.engine_config import engine_config
 from rankguard_sim.physics.engine_failures import KV_CACHE_TOO_SMALL
@@ -71,12 +71,6 @@ class World:
 
     def used(self, rank: int) -> int:
         return gpus.used_bytes(self.root, self.uuids[rank])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Runner:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -21,6 +20,7 @@ from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
 from rankguard_sim.fake_vllm.hf_download import checkpoint
 from rankguard_sim.fake_vllm.main import PEAK_HOLD_ENV, TIME_SCALE_ENV
 from rankguard_sim.fake_vllm.sandbox import engine_pynvml, weight_downloads
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.kubelet.image import pynvml_file
 from rankguard_sim.physics import gpus
 from rankguard_sim.physics.scenario_file import SCENARIO_ENV, builtin_dir, load_scenario
@@ -32,12 +32,6 @@ SHIM = REPO / "sim" / "rankguard_sim" / "bin" / "vllm"
 POD_IP = "127.0.0.211"
 TIME_SCALE = 50.0
 RATE = 2_500_000_000  # 2.5 GB/s: 141 GB in 56 s unscaled, ~1.1 s at the time scale
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

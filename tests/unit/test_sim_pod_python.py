@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rankguard_sim.kube.cluster import free_port
 from rankguard_sim.kubelet.image import build_image
 from rankguard_sim.kubelet.pod_python import pod_address, split_options
 from rankguard_sim.waiting import wait_for
@@ -36,12 +37,6 @@ def run(python3: str, *args: str, cwd: Path | None = None, **env: str) -> subpro
         timeout=60,
         check=False,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------ pure pieces
