@@ -70,6 +70,7 @@ def termination_message(
             last_kv_line=last_kv_line,
             detail=_short(cause.text),
             startup_check=cause.startup_check,
+            external_weight_bytes=cause.external_weight_bytes,
         )
     if isinstance(cause, KVTooSmall):
         return TerminationMessage(

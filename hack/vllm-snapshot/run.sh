@@ -25,6 +25,7 @@ fi
 
 export VLLM_TARGET_DEVICE=cpu
 layouts="$repo/tests/fixtures/vllm_kv_layouts.json"  # the KV-layout oracle (core/budget/kv_layout.py's cases)
+cases="$repo/tests/fixtures/vllm_argv_cases.json"  # what vLLM does with extraArgs (tests/unit/test_vllm_surface.py)
 if [ "$mode" = "--check" ]; then
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
@@ -32,7 +33,10 @@ if [ "$mode" = "--check" ]; then
     diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
     "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
     diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
+    "$venv/bin/python" "$here/argv_cases.py" "$tmp/argv_cases.json" >/dev/null 2>&1
+    diff -u "$cases" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
 else
     "$venv/bin/python" "$here/snapshot.py" "$dest" 2>/dev/null
     "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
+    "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null
 fi

@@ -8,7 +8,7 @@ with the name of what is missing, so a new vLLM version is re-read, never guesse
 
     python snapshot.py OUT_DIR
 
-writes OUT_DIR/{cli,formats,engine}.json (sorted keys, stable order: a re-run on the same
+writes OUT_DIR/{cli,formats,engine,surface}.json (sorted keys, stable order: a re-run on the same
 version gives the same bytes).
 """
 
@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from surface import surface_snapshot  # this folder (the script's own directory is on sys.path)
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # The lines rankguard's agent recognises. Key: our name for the line; value: (package, a
@@ -35,6 +37,7 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     "model_loading": ("vllm", "Model loading took"),
     "startup_free_too_low": ("vllm", "is less than desired GPU memory utilization"),
     "startup_free_external": ("vllm", "is less than the engine's budget after excluding"),
+    "startup_external_weights": ("vllm", "Externally held weights on device"),
     "worker_memory_report": ("vllm", "Replace gpu_memory_utilization config with"),
     "cuda_graph_pool": ("vllm", "CUDA graph pool memory"),
     "kv_bytes_reserved": ("vllm", "memory for KV Cache as specified by kv_cache_memory_bytes"),
@@ -50,6 +53,7 @@ LIB_MESSAGES: dict[str, tuple[str, str]] = {
     "torch_oom_fraction": ("libc10_cuda.so", "Allocation was preemptively rejected"),
     "torch_oom_private_pools": ("libc10_cuda.so", " allocated in private pools"),
     "torch_oom_outside_allocator": ("libtorch_cuda.so", "CUDA ran out of memory outside PyTorch's allocator"),
+    "cublas_alloc_failed": ("libtorch_cuda.so", "CUBLAS_STATUS_ALLOC_FAILED"),
 }
 # The source line that proves the block pool holds one block back (the "null block").
 NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
@@ -80,6 +84,12 @@ def _type_name(t: Any) -> dict[str, Any]:
         return {"name": "json"}
     if name == "union_dict_and_str":
         return {"name": "str"}  # a JSON object or any string
+    if name == "<lambda>":
+        try:
+            if t("AbC") == "abc":
+                return {"name": "lower"}  # `lambda s: s.lower()`: AITER is aiter to vLLM
+        except Exception:
+            pass
     return {"name": "opaque", "callable": name}  # validated by vLLM only
 
 
@@ -91,11 +101,18 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def cli_snapshot() -> dict[str, Any]:
+def serve_parser() -> Any:
+    """`vllm serve`'s own parser object, as the console script builds it."""
     from vllm.entrypoints.common.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import EnableDisableAction, FlexibleArgumentParser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def cli_snapshot() -> dict[str, Any]:
+    from vllm.utils.argparse_utils import EnableDisableAction
+
+    parser = serve_parser()
     # every registered spelling, hidden ones included (`--no-enable-x`)
     spellings: dict[int, list[str]] = {}
     for opt, action in parser._option_string_actions.items():
@@ -304,6 +321,7 @@ def main() -> None:
         "cli.json": {**meta, **cli_snapshot()},
         "formats.json": {**meta, "messages": {**python_messages(site), **library_messages(site)}},
         "engine.json": {**meta, **engine_facts(site)},
+        "surface.json": {**meta, **surface_snapshot(serve_parser(), site)},
     }
     for name, doc in docs.items():
         (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")

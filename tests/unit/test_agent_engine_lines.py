@@ -190,3 +190,36 @@ def test_a_start_up_refusal_is_marked_as_one(sim_env: dict[str, str], tmp_path: 
     assert parse_termination_message(m.to_json()) == m
     plain = TerminationMessage(CUDA_OOM, 1, free_bytes=1)
     assert parse_termination_message(plain.to_json()).startup_check is False
+
+
+def test_an_external_weights_refusal_carries_the_weights_and_the_rank(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """vLLM 0.33's "Externally held weights on device cuda:N ... exceed the desired GPU memory
+    utilization": a start-up refusal on rank N, with the weights held outside, no free figure."""
+    from rankguard_operator import vllm_snapshots
+
+    msg = vllm_snapshots.latest().messages("startup_external_weights")[0]
+    line = "ValueError: " + msg["template"].format("cuda:1", 22.0, 23.58, 0.9, 21.23)
+    tlog = tmp_path / "termination-log"
+    child = py(
+        f"""
+        import sys
+        sys.stderr.write("(Worker_TP1 pid=80) ERROR 12-01 10:00:00 [utils.py:732] " + {line!r} + "\\n")
+        sys.exit(1)
+        """
+    )
+    assert run(sim_env, tlog, child).returncode == 1
+    m = message(tlog)
+    assert (m.reason, m.rank, m.gpu_index, m.startup_check) == (CUDA_OOM, 1, 1, True)
+    assert m.external_weight_bytes == round(22.0 * GIB) and m.free_bytes is None
+    assert (m.total_bytes, m.requested_bytes) == (round(23.58 * GIB), round(21.23 * GIB))
+    assert parse_termination_message(m.to_json()) == m
+    # an older agent's message has no such key: nothing held outside is known
+    older = (
+        TerminationMessage(CUDA_OOM, 1, startup_check=True)
+        .to_json()
+        .replace(',"external_weight_bytes":null', "")
+    )
+    assert "external_weight_bytes" not in older
+    assert parse_termination_message(older).external_weight_bytes is None

@@ -8,6 +8,7 @@ vLLMs are in test_agent_recognisers.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 from printed_sizes import g, pytorch_format
 
+from rankguard_agent.launcher import Observer
+from rankguard_agent.verdict import termination_message
 from rankguard_agent.wire.recognisers import (
     AVAILABLE_KV,
     CUDA_GRAPH_POOL,
@@ -34,6 +37,7 @@ from rankguard_agent.wire.recognisers import (
     recognise,
     recognise_all,
 )
+from rankguard_agent.wire.termination import CUDA_OOM, parse_termination_message
 from rankguard_operator import vllm_snapshots
 
 MIB = 1 << 20
@@ -130,13 +134,50 @@ def test_snapshot_startup_refusals_are_cuda_ooms_on_their_device(key: str, devic
         text = render(msg, (device, format_gib(free), format_gib(total), 0.9, format_gib(budget)))
         oom = recognise(logged(msg, f"ValueError: {text}", "Worker_TP3 pid=80", "ERROR"))
         assert isinstance(oom, CudaOom), text
-        assert oom.startup_check
+        assert oom.startup_check and oom.external_weight_bytes is None
         assert (oom.gpu_index, oom.free_bytes, oom.total_bytes, oom.requested_bytes) == (
             int(device.split(":")[1]),
             free,
             total,
             budget,
         )
+
+
+@pytest.mark.parametrize("device", ["cuda:3", "cuda:0"])
+@pytest.mark.parametrize(
+    ("weights", "total", "util"),
+    [(g(75.0), g(79.19), 0.9), (g(40.12), g(79.19), 0.5), (g(22.0), g(23.55), 0.92)],
+)
+def test_snapshot_external_weights_refusal_is_a_startup_oom_with_the_weights(
+    device: str, weights: int, total: int, util: float
+) -> None:
+    """vLLM 0.33's third refusal in request_memory: weights another process holds on the GPU
+    reach total x utilisation. No KV was allocated and no free figure is printed; the weights
+    are carried so the operator raises the utilisation instead of shrinking the budget."""
+    requested = math.ceil(total * util)  # vLLM's requested_memory
+    for msg in messages("startup_external_weights"):
+        values = (device, format_gib(weights), format_gib(total), util, format_gib(requested))
+        text = render(msg, values)
+        line = logged(msg, f"ValueError: {text}", "Worker_TP3 pid=80", "ERROR")
+        found = recognise_all(line)
+        assert len(found) == 1, found
+        oom = found[0]
+        assert isinstance(oom, CudaOom), text
+        assert oom.startup_check and oom.free_bytes is None
+        assert oom.gpu_index == int(device.split(":")[1])
+        assert _near(oom.total_bytes or 0, total) and _near(oom.requested_bytes or 0, requested)
+        assert oom.external_weight_bytes is not None and _near(oom.external_weight_bytes, weights)
+        # the termination message carries it to the operator
+        tm = parse_termination_message(termination_message(1, oom, None, 4).to_json())
+        assert (tm.reason, tm.rank, tm.startup_check) == (CUDA_OOM, oom.gpu_index, True)
+        assert tm.external_weight_bytes == oom.external_weight_bytes and tm.free_bytes is None
+
+
+def test_snapshot_external_weights_refusal_cut_before_its_figures_is_no_oom() -> None:
+    for msg in messages("startup_external_weights"):
+        line = logged(msg, render(msg, ("cuda:1", 75.0, 79.19, 0.9, 71.28)), "Worker_TP1 pid=77", "ERROR")
+        cut = line[: line.index(" GiB)")]
+        assert not any(isinstance(f, CudaOom) for f in recognise_all(cut)), cut
 
 
 def _torch_size(size: int) -> str:
@@ -160,6 +201,48 @@ def test_snapshot_torch_oom_outside_the_allocator_is_an_oom() -> None:
         )
         assert isinstance(oom, CudaOom)
         assert oom.requested_bytes is None and oom.gpu_index is None
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # torch's TORCH_CUDABLAS_CHECK, as a traceback ends (vllm-project/vllm#8180: "RuntimeError:
+        # CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`" serving w8a8)
+        ("RuntimeError: CUDA error: ", " when calling `cublasCreate(handle)`"),
+        # as vLLM's multiprocessing executor reports a worker's exception
+        (
+            "(EngineCore_DP0 pid=9) ERROR 12-01 10:00:00 [core.py:1] RuntimeError: Worker failed with "
+            "error 'CUDA error: ",
+            " when calling `cublasLtMatmul(ltHandle, computeDesc.descriptor(), ...)`'",
+        ),
+    ],
+)
+def test_snapshot_cublas_alloc_failed_is_an_oom_without_figures(before: str, after: str) -> None:
+    """cuBLAS could not allocate its handle or workspace: the GPU is full, and the message names
+    neither a size nor a GPU, like "CUDA error: out of memory"."""
+    for msg in messages("cublas_alloc_failed"):
+        frag = msg["template"]
+        found = recognise_all(f"{before}{frag}{after}")
+        assert len(found) == 1
+        oom = found[0]
+        assert isinstance(oom, CudaOom) and not oom.startup_check
+        assert (oom.gpu_index, oom.requested_bytes, oom.free_bytes, oom.total_bytes) == (None,) * 4
+        # another cuBLAS status is not a memory failure
+        assert recognise_all(f"{before}{frag.replace('ALLOC_FAILED', 'NOT_SUPPORTED')}{after}") == []
+
+
+def test_a_later_oom_with_figures_replaces_a_cublas_alloc_failure() -> None:
+    """The launcher keeps the first memory cause, unless a later one has figures."""
+    cublas = f"RuntimeError: CUDA error: {messages('cublas_alloc_failed')[0]['template']}"
+    tried = messages("torch_oom_tried")[0]["template"]
+    lines = Observer()
+    lines.on_line(f"(Worker_TP1 pid=77) ERROR 12-01 10:00:00 [x.py:1] {cublas}")
+    first = lines.cause
+    assert isinstance(first, CudaOom) and first.requested_bytes is None
+    lines.on_line(
+        f"(Worker_TP1 pid=77) ERROR 12-01 10:00:01 [x.py:1] torch.OutOfMemoryError: {tried}2.00 GiB."
+    )
+    assert isinstance(lines.cause, CudaOom) and lines.cause.requested_bytes == 2 * GIB
 
 
 def test_snapshot_torch_oom_fragments_compose_the_allocator_message() -> None:

@@ -195,6 +195,64 @@ def test_a_start_up_refusal_under_a_byte_budget_keeps_the_budget_and_lowers_the_
     assert len(c.deployments_applied) == applies
 
 
+def _external_weights_line(util: float, weights: int) -> str:
+    """vLLM 0.33's refusal, rendered from the recorded snapshot as a worker prints it."""
+    from rankguard_operator import vllm_snapshots
+
+    [msg] = vllm_snapshots.latest().messages("startup_external_weights")
+    total = 80 * GiB
+    text = msg["template"].format(
+        "cuda:0", round(weights / GiB, 2), round(total / GiB, 2), util, round(util * total / GiB, 2)
+    )
+    return f"(Worker_TP0 pid=80) ERROR 12-01 10:00:00 [utils.py:{msg['line']}] ValueError: {text}"
+
+
+def test_an_external_weights_refusal_keeps_the_budget_and_raises_the_checked_share() -> None:
+    """Weights another process holds on the GPU reached the utilisation rendered next to the
+    byte budget: vLLM allocated nothing, so the budget stays, and the utilisation rises above
+    those weights (kept in status, so the next render and a restarted operator agree). The kubelet's
+    log tail (a launcher that died before writing its message) says the same as the agent."""
+    for how in ("message", "log tail"):
+        c = running()
+        before = flags_of(c.deployment)
+        argv = vllm_argv(c.deployment)
+        util_before = float(argv[argv.index("--gpu-memory-utilization") + 1])
+        weights = int(util_before * 80 * GiB) + 2 * GiB
+        assert weights < 78 * GiB
+        line = _external_weights_line(util_before, weights)
+        if how == "message":
+            message = tm.TerminationMessage(
+                reason=tm.CUDA_OOM,
+                exit_code=1,
+                rank=0,
+                gpu_index=0,
+                requested_bytes=int(util_before * 80 * GiB),
+                total_bytes=80 * GiB,
+                detail=line,
+                startup_check=True,
+                external_weight_bytes=weights,
+            ).to_json()
+        else:
+            message = f"INFO 12-01 09:59:59 [gpu_worker.py:1] Loading weights\n{line}\n"
+        term = {"exitCode": 1, "reason": "Error", "message": message, "finishedAt": "2027-01-15T08:00:00Z"}
+        p = c.pods[0]
+        c.pods = [pod(p["metadata"]["name"], p["metadata"]["annotations"], ready=False, terminated=term)]
+        step = c.run()
+        assert step.decision is not None and step.decision.reason == "ExternalWeightsRefused", how
+        assert flags_of(c.deployment) == before  # the KV budget stays: nothing was allocated
+        argv = vllm_argv(c.deployment)
+        util = float(argv[argv.index("--gpu-memory-utilization") + 1])
+        kept = c.status["engine"]["externalWeightBytes"]
+        assert abs(kept - weights) <= GiB // 200 + 1  # the log line's figure is 0.01 GiB precise
+        assert util * 80 * GiB >= kept + 512 * 1024 * 1024 > util_before * 80 * GiB
+        assert any(e.reason == "ExternalWeightsRefused" for e in c.events.values())
+        assert not c.status.get("remediations")  # no budget change to record
+        applies = len(c.deployments_applied)
+        c.controller_done()
+        c.run()
+        assert len(c.deployments_applied) == applies
+
+
 def test_engine_lines_the_agents_could_not_read_are_said_in_the_condition() -> None:
     c = running()
     pod_name = c.pods[0]["metadata"]["name"]

@@ -93,6 +93,7 @@ EXPECTED_COMMAND = [
     "--", "vllm", "serve", "meta-llama/Meta-Llama-3-70B",
     "--tensor-parallel-size", "4",
     "--kv-cache-memory-bytes", "40460615680",
+    "--gpu-memory-utilization", "0.5",  # no GPU size in the spec: the start-up check's half card
     "--max-num-seqs", "256",
     "--max-model-len", "8192",
     "--max-num-batched-tokens", "8192",
@@ -273,7 +274,8 @@ def test_vllm_args_with_utilisation_pp_and_eager() -> None:
 def test_byte_budget_wins_over_utilisation_and_none_renders_no_budget_flag() -> None:
     s = spec_of()
     both = vllm_args(s, ServingFlags(kv_cache_memory_bytes=KV, gpu_memory_utilization=0.9), prior_plan(s))
-    assert "--kv-cache-memory-bytes" in both and "--gpu-memory-utilization" not in both
+    # the byte budget, and next to it only the start-up check's share (no plan: half the card)
+    assert "--kv-cache-memory-bytes" in both and both[both.index("--gpu-memory-utilization") + 1] == "0.5"
     neither = vllm_args(s, ServingFlags(), prior_plan(s))
     assert "--kv-cache-memory-bytes" not in neither and "--gpu-memory-utilization" not in neither
     assert "--pipeline-parallel-size" not in neither  # pp 1 is vLLM's default; not rendered
@@ -288,8 +290,8 @@ def test_exactly_one_budget_flag_and_it_round_trips(kv: int | None, util: float 
         spec_of(), ServingFlags(kv_cache_memory_bytes=kv, gpu_memory_utilization=util), prior_plan(spec_of())
     )
     budget = [a for a in args if a in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")]
-    if kv is not None:
-        assert budget == ["--kv-cache-memory-bytes"]
+    if kv is not None:  # the byte budget, and the start-up check's share beside it
+        assert budget == ["--kv-cache-memory-bytes", "--gpu-memory-utilization"]
         assert int(args[args.index("--kv-cache-memory-bytes") + 1]) == kv
     elif util is not None:
         assert budget == ["--gpu-memory-utilization"]

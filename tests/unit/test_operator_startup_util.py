@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rankguard_operator.core.budget.bounds import (
+    NO_PLAN_STARTUP_UTILIZATION,
     VLLM_DEFAULT_UTILIZATION,
     initial_plan,
     prior_plan,
@@ -61,14 +63,22 @@ def test_it_is_rendered_next_to_the_byte_budget_and_only_there() -> None:
     assert "--kv-cache-memory-bytes" not in only_util and only_util.count("--gpu-memory-utilization") == 1
 
 
-def test_unknown_gpu_size_leaves_vllms_default() -> None:
+def test_unknown_gpu_size_renders_half_the_card_not_vllms_default() -> None:
+    """A pinned budget on a first start, no GPU size known: vLLM's 0.92 start-up check could
+    refuse a small TP card after NCCL init; the byte budget sizes the KV cache either way."""
     spec = parse_spec(
-        {"model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"}, "image": "vllm/vllm-openai:v0.33.0"}
+        {
+            "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
+            "image": "vllm/vllm-openai:v0.33.0",
+            "tensorParallelSize": 2,
+            "memory": {"kvCacheMemoryBytes": 8 * GiB},
+        }
     )
-    assert startup_utilization(prior_plan(spec), 8 * GiB) is None
-    assert "--gpu-memory-utilization" not in vllm_args(
-        spec, ServingFlags(kv_cache_memory_bytes=8 * GiB), prior_plan(spec)
-    )
+    assert prior_plan(spec) is None
+    assert startup_utilization(None, 8 * GiB) == NO_PLAN_STARTUP_UTILIZATION < VLLM_DEFAULT_UTILIZATION
+    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB), None)
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(8 * GiB)
 
 
 def test_big_cards_never_ask_for_more_than_vllms_default() -> None:
@@ -96,4 +106,32 @@ def test_it_stays_under_the_free_memory_vllm_measured_at_start_up() -> None:
     # a generous measurement changes nothing: the priors' figure stands
     assert startup_utilization(plan, kv, 24 * GiB) == startup_utilization(plan, kv)
     args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=kv), plan, free_measured)
+    assert float(args[args.index("--gpu-memory-utilization") + 1]) == u
+
+
+def test_it_stays_above_weights_held_outside_the_process() -> None:
+    """A zero-copy weight cache holds the weights in another process: vLLM refuses when they
+    reach total x utilisation ("Externally held weights on device ..."), and checks its free
+    memory against total x utilisation less them. So the utilisation stays above them (plus the
+    safety margin), even above vLLM's default, and the free-memory cap moves up by them."""
+    spec = small_cards()
+    plan = prior_plan(spec)
+    assert plan is not None
+    total, margin, kv = 24 * GiB, spec.memory.safety_margin_bytes, 4 * GiB
+    weights = 22 * GiB
+    # vLLM measured the free memory next to those weights: 24 - 22 - context; the cap alone would
+    # put the utilisation under the weights, which is the refusal itself
+    free_measured = total - weights - GiB
+    capped = startup_utilization(plan, kv, free_measured)
+    assert capped is not None and capped * total <= weights
+    u = startup_utilization(plan, kv, free_measured, weights)
+    assert u is not None and u > VLLM_DEFAULT_UTILIZATION
+    assert u * total >= weights + margin  # vLLM's first check passes
+    assert u * total - weights <= free_measured  # and its check of the free memory too
+    assert u == math.ceil((weights + margin) / total * 1000) / 1000
+    # small weights change nothing the priors and the measurement did not already say
+    assert startup_utilization(plan, kv, None, GiB) == startup_utilization(plan, kv)
+    # weights that leave nothing: never above the whole card
+    assert startup_utilization(plan, kv, None, total) == 1.0
+    args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=kv), plan, free_measured, weights)
     assert float(args[args.index("--gpu-memory-utilization") + 1]) == u

@@ -35,6 +35,7 @@ from policy_world import (
 
 from rankguard_operator.core.budget.bounds import kv_floor, round_down, utilization_kv_bytes
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy import decide
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB, MiB
@@ -147,6 +148,63 @@ def test_ooms_of_pods_running_older_flags_are_superseded() -> None:
     assert d.action == "none" and d.handled == (old.key,)
     unknown = term(flags=None)  # a pod without rankguard's annotation counts as current
     assert decide(inp(new_terminations=[unknown])).action == "shrink"
+
+
+# --- rule 1, start-up refusals: the budget is not what failed ---------------------------------
+
+
+def refusal(*, weights: int | None, flags: ServingFlags | None = CUR, free: int | None = None) -> Termination:
+    """vLLM's start-up refusal on rank 1 of an 80 GiB card at utilisation 0.9 (72 GiB): free
+    memory below it, or (`weights`) weights held outside the process at or above it."""
+    t = term(rank=1, requested=72 * GiB, free=free, flags=flags)
+    return replace(t, startup_refusal=True, external_weight_bytes=weights)
+
+
+def test_external_weights_refusal_under_a_byte_budget_keeps_the_budget() -> None:
+    """The weights another process holds on the GPU reached total x utilisation: vLLM allocated
+    nothing, so no shrink; the budget stays and the rendered utilisation rises above them."""
+    t = refusal(weights=75 * GiB)
+    d = decide(inp(new_terminations=[t]))
+    assert (d.action, d.trigger, d.reason, d.rank) == ("none", "CUDAOutOfMemory", "ExternalWeightsRefused", 1)
+    assert d.flags == CUR and not d.changes_flags and d.handled == (t.key,)
+    assert (
+        "the weights another process holds on the GPU (75Gi) exceed its GPU memory utilisation" in d.message
+    )
+    assert "now stays above those 75Gi" in d.message
+    # the other refusal (free memory) keeps its own answer
+    free = refusal(weights=None, free=60 * GiB)
+    assert decide(inp(new_terminations=[free])).reason == "StartupCheckRefused"
+
+
+def test_external_weights_refusal_under_a_utilisation_switches_to_the_planned_budget() -> None:
+    util = ServingFlags(gpu_memory_utilization=0.9)
+    d = decide(inp(current=util, new_terminations=[refusal(weights=75 * GiB, flags=util)]))
+    assert (d.action, d.trigger, d.flags) == (
+        "replan",
+        "CUDAOutOfMemory",
+        CUR,
+    )  # the plan's budget, no shrink
+    assert "stays above the weights held outside" in d.message
+    # the free-memory refusal under a utilisation is still an OOM to shrink for
+    shrink = decide(inp(current=util, new_terminations=[refusal(weights=None, flags=util, free=60 * GiB)]))
+    assert shrink.action == "shrink"
+    # with no plan to switch to: Degraded, naming the utilisation that would do ((75 + 0.5) / 80, up)
+    d2 = decide(inp(current=util, plan=None, new_terminations=[refusal(weights=75 * GiB, flags=util)]))
+    assert (d2.action, d2.reason, d2.flags) == ("degrade", "ExternalWeightsRefused", util)
+    assert "raise spec.memory.gpuMemoryUtilization to at least 0.95" in d2.message
+
+
+def test_external_weights_that_fill_the_gpu_degrade() -> None:
+    t = refusal(weights=80 * GiB - MARGIN)
+    d = decide(inp(new_terminations=[t]))
+    assert (d.action, d.reason, d.flags) == ("degrade", "ExternalWeightsFillGPU", CUR)
+    assert "spec.tensorParallelSize" in d.message
+
+
+def test_an_external_weights_refusal_with_a_runtime_oom_still_shrinks() -> None:
+    """A real OOM in the same pass is a real OOM: the shrink it asks for wins."""
+    d = decide(inp(new_terminations=[refusal(weights=75 * GiB), term(rank=2)]))
+    assert d.action == "shrink" and d.rank == 2
 
 
 # --- properties ----------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """Recognisers for the engine's output lines that matter: PURE functions over one line.
 
+(Over 450 lines because every recogniser shares one grammar of numbers and sizes, one keyword
+pre-filter and one order in `recognise_all` (a start-up refusal before the memory report that
+shares its opening words); most of the length is the patterns and the dataclasses they fill.)
+
 Formats (see docs/agent.md for the sources):
 
 - PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp, PyTorch >= 2.1):
@@ -16,10 +20,17 @@ Formats (see docs/agent.md for the sources):
   Allocation was preemptively rejected because it would exceed per_process_memory_fraction
   limit. Requested size: 2.00 GiB...", and cuDNN's "CUDA ran out of memory outside PyTorch's
   allocator..." (no figures).
-- A CUDA runtime error without figures: "CUDA error: out of memory".
-- vLLM's startup checks: "Free memory on device cuda:0 (1.5/79.19 GiB) on startup is less than
-  desired GPU memory utilization (0.9, 71.27 GiB)" and "... is less than the engine's budget
-  after excluding external process's weights (0.9, 70.1 GiB)" (older vLLM names no device).
+- A CUDA runtime error without figures: "CUDA error: out of memory", and cuBLAS failing to
+  allocate its workspace or handle, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling
+  `cublasCreate(handle)`" (torch/lib/libtorch_cuda.so; the GPU is full, no figures).
+- vLLM's startup checks (vllm/v1/worker/utils.py `request_memory`): "Free memory on device
+  cuda:0 (1.5/79.19 GiB) on startup is less than desired GPU memory utilization (0.9, 71.27
+  GiB)" and "... is less than the engine's budget after excluding external process's weights
+  (0.9, 70.1 GiB)" (older vLLM names no device), and "Externally held weights on device cuda:0
+  (75.0/79.19 GiB) exceed the desired GPU memory utilization (0.9, 71.27 GiB). ...": weights
+  another process holds on the GPU (a zero-copy weight cache) are not below the utilisation's
+  share, so nothing is left for the engine; `external_weight_bytes` carries them, and no free
+  figure is printed.
 - vLLM's per-worker memory report (printed by each worker in utilisation mode only): "Free
   memory on device (F/T GiB) on startup. Desired GPU memory utilization is (U, R GiB). Actual
   usage is C GiB for consumed memory (weights + non-torch), P GiB for peak activation, and G
@@ -66,7 +77,13 @@ _GNUM = r"-?\d+(?:\.\d+)?"
 _SIZE = rf"({_NUM})\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
 GIB = 1 << 30
 
-_OOM_MARK = re.compile(r"CUDA out of memory|CUDA error: out of memory|CUDA ran out of memory", re.IGNORECASE)
+_OOM_MARK = re.compile(
+    r"CUDA out of memory|CUDA error: out of memory|CUDA ran out of memory|CUBLAS_STATUS_ALLOC_FAILED",
+    re.IGNORECASE,
+)
+# cuBLAS's own allocation failure (its handle or workspace), raised by torch as a CUDA error; it
+# names no size and no GPU.
+_CUBLAS_ALLOC = "CUBLAS_STATUS_ALLOC_FAILED"
 _TRIED = re.compile(rf"Tried to allocate {_SIZE}")
 # The memory-fraction refusal names the size differently (recorded from torch 2.14).
 _REQUESTED_SIZE = re.compile(rf"Requested size: {_SIZE}")
@@ -85,7 +102,13 @@ _STARTUP_FREE = re.compile(
     rf"Free memory on device(?: \S+)? \(({_NUM})/({_NUM}) GiB\) on startup is less than "
     rf"[^()]*\(({_NUM}), ({_NUM}) GiB\)"
 )
-_DEVICE_INDEX = re.compile(r"Free memory on device cuda:(\d+)")
+_DEVICE_INDEX = re.compile(r"(?:Free memory|Externally held weights) on device cuda:(\d+)")
+# The third refusal of vLLM 0.33's request_memory: the weights a zero-copy loader maps from another
+# process exceed total x utilisation, so the engine's own share would be <= 0 (no free figure).
+_STARTUP_EXTERNAL = re.compile(
+    rf"Externally held weights on device(?: \S+)? \(({_NUM})/({_NUM}) GiB\) exceed the desired GPU "
+    rf"memory utilization \(({_NUM}), ({_NUM}) GiB\)"
+)
 
 _AVAILABLE_KV = re.compile(rf"Available KV cache memory: ({_NUM}) GiB")
 # Older vLLM printed "GPU KV cache size: N tokens" alone; 0.33 prints "%s KV cache size: %s
@@ -131,7 +154,7 @@ _INITIAL_FREE_MARKER = "memory for KV Cache as specified by kv_cache_memory_byte
 _GIB_ROUNDING = GIB // 200 + 1
 
 # Cheap pre-filter: nearly every line of a serving engine contains none of these.
-_KEYWORDS = ("memory", "KV cache", "Maximum concurrency", "max seq len")
+_KEYWORDS = ("memory", "KV cache", "Maximum concurrency", "max seq len", _CUBLAS_ALLOC)
 
 AVAILABLE_KV = "available_kv_memory"
 KV_TOKENS = "kv_cache_tokens"
@@ -171,7 +194,10 @@ class CudaOom:
     allocated_bytes: int | None = None
     private_pool_bytes: int | None = None  # CUDA graphs' pools
     reserved_unallocated_bytes: int | None = None
-    startup_check: bool = False  # vLLM's "free memory ... on startup" refusal
+    startup_check: bool = False  # vLLM's start-up refusals ("Free memory ... on startup", "Externally held")
+    # the weights another process holds on the device, when vLLM refused because they exceed
+    # total x utilisation ("Externally held weights on device ..."); None otherwise
+    external_weight_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -247,8 +273,24 @@ Recognised = (
 
 
 def recognise_oom(line: str) -> CudaOom | None:
-    if "out of memory" not in line and "Free memory on device" not in line:
+    if (
+        "out of memory" not in line
+        and "Free memory on device" not in line
+        and "Externally held weights" not in line
+        and _CUBLAS_ALLOC not in line
+    ):
         return None
+    external = _STARTUP_EXTERNAL.search(line)
+    if external is not None:
+        dev = _DEVICE_INDEX.search(line)
+        return CudaOom(
+            text=line.strip(),
+            gpu_index=int(dev.group(1)) if dev else None,
+            requested_bytes=round(parse_number(external.group(4)) * GIB),
+            total_bytes=round(parse_number(external.group(2)) * GIB),
+            startup_check=True,
+            external_weight_bytes=round(parse_number(external.group(1)) * GIB),
+        )
     startup = _STARTUP_FREE.search(line)
     if startup is not None:
         dev = _DEVICE_INDEX.search(line)

@@ -44,6 +44,9 @@ class TerminationMessage:
     # vLLM's start-up check refused (free memory at start < utilisation × total): the KV
     # budget is not what failed, the utilisation the check compares with is
     startup_check: bool = False
+    # with startup_check: the weights another process holds on the device exceeded total x
+    # utilisation ("Externally held weights on device ..."); the utilisation must rise above them
+    external_weight_bytes: int | None = None
     version: int = TERMINATION_VERSION
 
     def to_json(self) -> str:
@@ -113,4 +116,5 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
         last_kv_line=_opt_str(doc, "last_kv_line"),
         detail=_opt_str(doc, "detail"),
         startup_check=_opt_bool(doc, "startup_check"),
+        external_weight_bytes=_opt_int(doc, "external_weight_bytes"),
     )

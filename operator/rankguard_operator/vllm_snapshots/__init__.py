@@ -9,7 +9,11 @@ package (never typed by hand):
   come from (vLLM's Python source, or torch's shared libraries for the allocator's messages);
 - `engine.json`: KV facts (the null block the block pool holds back, the default block size,
   the KV cache dtypes vLLM knows), and `weights_download_log`: the seconds above which vLLM
-  logs how long downloading the weights took (the sandbox prints that line from it).
+  logs how long downloading the weights took (the sandbox prints that line from it);
+- `surface.json`: what `vllm serve` checks beyond argparse's types: the help spellings, the
+  JSON schema of every option parsed into a pydantic dataclass, the block sizes each CUDA
+  attention backend supports, the factors of the world size, the options that decide what
+  listens on the port, and the options that size GPU or host memory.
 
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.
@@ -46,6 +50,7 @@ class Snapshot:
     cli: dict[str, Any]
     formats: dict[str, Any]
     engine: dict[str, Any]
+    surface: dict[str, Any]
 
     def messages(self, key: str) -> list[dict[str, Any]]:
         """The recorded messages for one recogniser key (see formats.json), [] if none."""
@@ -81,7 +86,9 @@ def load(version: str) -> Snapshot:
         doc: dict[str, Any] = json.loads((folder / name).read_text(encoding="utf-8"))
         return doc
 
-    return Snapshot(version, read("cli.json"), read("formats.json"), read("engine.json"))
+    return Snapshot(
+        version, read("cli.json"), read("formats.json"), read("engine.json"), read("surface.json")
+    )
 
 
 def latest() -> Snapshot:

@@ -3,9 +3,12 @@
 Every option of the recorded vLLM (`rankguard_operator/vllm_snapshots/<version>/cli.json`)
 is accepted with all its spellings, its nargs and its type conversion, so a command line the
 real `vllm serve` accepts parses here too, and one it refuses (unknown flag, bad value) exits
-2 with argparse's usage error. The argv goes through the same preprocessing as vLLM's
-`FlexibleArgumentParser` first (`_` for `-` in long names, dotted JSON args, `-O3`). The fake
+2 with argparse's usage error; where vLLM's parser crashes (a negative decimal item, a missing
+`--config` file, an unknown CUDA graph mode by name) the fake raises too. The argv goes through
+the same preprocessing as vLLM's `FlexibleArgumentParser` first (`--config FILE`, `_` for `-`
+in long names, dotted JSON args, `-O3`, `-O 3`); the value types are arg_types.py's. The fake
 then uses the values it models (`config_from_args`) and ignores the rest.
+tests/unit/test_vllm_surface.py holds it against the real parser's verdicts.
 
 Kept apart from the server so that anything holding a rendered `vllm serve ...` argv (the
 benchmark, tests) resolves it exactly as the fake vLLM does, without starting a process.
@@ -18,103 +21,18 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
+import yaml
+
+from rankguard_sim.fake_vllm.arg_types import converter, human_readable_int
 from rankguard_sim.physics.engine_config import EngineConfig, engine_config
 from rankguard_sim.physics.scenario_data import Scenario
 from rankguard_sim.vllm_snapshot import snapshot, version
 
 VLLM_VERSION = version()
-
-Converter = Callable[[str], Any]
-
-
-# ---------------------------------------------------------------------------------------------
-# Type conversions: vllm/utils/argparse_utils.py and vllm/engine/arg_utils.py semantics
-
-
-def human_readable_int(value: str) -> int:
-    """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (m/M, g/G, t/T); 25.6k; plain integers.
-
-    Decimals with a binary suffix are refused (argparse.ArgumentTypeError), as vLLM does.
-    """
-    value = value.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
-    if match:
-        number, suffix = match.groups()
-        decimal = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-        binary = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-        if suffix in decimal:
-            return int(float(number) * decimal[suffix])
-        try:
-            return int(number) * binary[suffix]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(
-                f"Decimals are not allowed with binary suffixes like {suffix}"
-            ) from e
-    return int(value)
-
-
-def human_readable_int_or_auto(value: str) -> int:
-    """human_readable_int, plus `-1` or `auto` (any case) meaning -1: fit to the KV memory."""
-    value = value.strip()
-    if value == "-1" or value.lower() == "auto":
-        return -1
-    return human_readable_int(value)
-
-
-def _parse_type(convert: Converter) -> Converter:
-    """vLLM's parse_type: a ValueError becomes argparse's ArgumentTypeError (exit 2)."""
-
-    def parse(val: str) -> Any:
-        try:
-            return convert(val)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"Value {val} cannot be converted to {convert}.") from e
-
-    return parse
-
-
-def _optional_type(convert: Converter) -> Converter:
-    """vLLM's optional_type: "" and "None" are None, anything else converts."""
-
-    def parse(val: str) -> Any:
-        if val in {"", "None"}:
-            return None
-        return _parse_type(convert)(val)
-
-    return parse
-
-
-def _opaque(val: str) -> str:
-    return val
-
-
-_PLAIN_TYPES: dict[str, Converter] = {
-    "str": str,
-    "int": int,
-    "float": float,
-    "human_readable_int": human_readable_int,
-    "human_readable_int_or_auto": human_readable_int_or_auto,
-    "json": _parse_type(json.loads),
-    "opaque": _opaque,
-}
-
-
-def converter(type_doc: Mapping[str, Any] | None) -> Converter | None:
-    """The argparse `type` for one cli.json type description (None: no conversion)."""
-    if type_doc is None:
-        return None
-    name = type_doc.get("name")
-    if name == "optional":
-        inner = converter(type_doc.get("of")) or str
-        return _optional_type(inner)
-    if name in _PLAIN_TYPES:
-        return _PLAIN_TYPES[str(name)]
-    raise ValueError(f"cli.json: unknown type {type_doc!r}")
-
 
 # ---------------------------------------------------------------------------------------------
 # The parser
@@ -156,7 +74,11 @@ def _add_option(parser: argparse.ArgumentParser, opt: Mapping[str, Any]) -> None
         parser.add_argument(*strings, action="store_true", **common)
         return
     kwargs: dict[str, Any] = dict(common)
-    convert = converter(opt.get("type"))
+    convert = converter(opt.get("type"), opt["dest"])
+    if opt["dest"] in snapshot().surface["json_options"] and isinstance(common["default"], str):
+        # a dataclass default is recorded as its repr; argparse would run the type on a string
+        # default, and the fake reads none of these objects
+        kwargs["default"] = None
     if convert is not None:
         kwargs["type"] = convert
     if opt.get("nargs") is not None:
@@ -226,6 +148,31 @@ def _merge(original: dict[str, Any], update: Mapping[str, Any]) -> None:
             original[k] = v
 
 
+def _pull_config(args: list[str]) -> list[str]:
+    """vLLM's `--config FILE`: a YAML mapping spliced in after `serve MODEL` as flags (a file
+    that is not .yaml/.yml or cannot be read raises, as vLLM's does: a traceback, exit 1)."""
+    at = args.index("--config")
+    if at == len(args) - 1:
+        raise ValueError("No config file specified! Please check your command-line arguments.")
+    path = args[at + 1]
+    extension = path.split(".")[-1]
+    if extension not in ("yaml", "yml"):
+        raise ValueError(f"Config file must be of a yaml/yml type. {extension} supplied")
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    flags: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            flags += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            flags += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            flags += [f"--{key}", json.dumps(value)]
+        else:
+            flags += [f"--{key}", str(value)]
+    return [*args[:2], *flags, *args[2:at], *args[at + 2 :]]
+
+
 def normalize_argv(argv: Sequence[str]) -> list[str]:
     """What vLLM's FlexibleArgumentParser.parse_args does to argv before argparse sees it.
 
@@ -244,6 +191,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
                     tag, rest = arg.removeprefix("--model="), i + 1
                 args = ["serve", tag, *args[1:i], *args[rest:]]
                 break
+    if "--config" in args:
+        args = _pull_config(args)
     processed: list[str] = []
     for i, arg in enumerate(args):
         if arg.startswith("--"):
@@ -272,11 +221,11 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
                 arg, value_str = arg.split("=", 1)
                 if "." not in arg:
                     continue  # the '.' was only in the value
-            elif i + 1 < len(processed):
+            else:
+                # as vLLM: the next item is the value, and with none the parser crashes
+                # (IndexError): `--seed -0.5` as the last items, since `-0.5` holds a '.'
                 value_str = processed[i + 1]
                 delete.add(i + 1)
-            else:
-                continue  # argparse reports the missing value
             if arg.endswith("+"):
                 arg = arg[:-1]
                 value_str = json.dumps(value_str.split(","))

@@ -242,10 +242,18 @@ def budget_key(spec: ServiceSpec) -> str:
 
 # vLLM's own default for --gpu-memory-utilization (vllm-memory-facts.md).
 VLLM_DEFAULT_UTILIZATION = 0.92
+# The utilisation rendered next to a byte budget when no plan knows the GPU: under a byte
+# budget it feeds only vLLM's start-up check (free >= total x util), and every card keeps more
+# than half free after its CUDA context and NCCL buffers, while a GPU that other processes
+# hold more than half of is one vLLM should refuse.
+NO_PLAN_STARTUP_UTILIZATION = 0.5
 
 
 def startup_utilization(
-    plan: Plan | None, kv_cache_memory_bytes: int, startup_free_bytes: int | None = None
+    plan: Plan | None,
+    kv_cache_memory_bytes: int,
+    startup_free_bytes: int | None = None,
+    external_weight_bytes: int | None = None,
 ) -> float | None:
     """The --gpu-memory-utilization to render NEXT TO a byte budget, from the spec's prior plan.
 
@@ -258,14 +266,24 @@ def startup_utilization(
     its total, rounded up to 0.001 (82 MB on an 80 GiB card, inside the safety margin), and
     never above vLLM's default. The caller passes the PRIOR plan (`prior_plan`, never one from
     live measurements), so the value changes exactly when the budget or the spec does, and
-    never rolls the Deployment by itself. None (vLLM's default applies) without a plan: the
-    GPU size is not in the spec, or the spec cannot be planned."""
+    never rolls the Deployment by itself. Without a plan (the GPU size is not known yet, the
+    model is measured first) nothing says what vLLM will use: `NO_PLAN_STARTUP_UTILIZATION`,
+    half the card, rather than vLLM's 0.92, which a small card under tensor parallelism can
+    fail after NCCL's buffers (a pinned budget's first start was refused that way). None only
+    when the plan says nothing is needed.
+
+    `external_weight_bytes`: weights another process holds on the GPU (a zero-copy weight
+    cache), learned from vLLM's "Externally held weights on device ..." refusal. vLLM then checks
+    `external < total x util` and `free >= total x util - external` (v1 worker/utils.py
+    request_memory), so the free-memory cap moves up by them and the utilisation is kept above
+    them (plus the safety margin), even above vLLM's default."""
     if plan is None:
-        return None
+        return NO_PLAN_STARTUP_UTILIZATION
     needed = max((r.runtime_non_kv_bytes + kv_cache_memory_bytes) / r.total_bytes for r in plan.ranks)
     if needed <= 0:
         return None
     util = min(VLLM_DEFAULT_UTILIZATION, math.ceil(needed * 1000) / 1000)
+    external = external_weight_bytes or 0
     if startup_free_bytes is not None:
         # vLLM measured less free memory at a worker's start-up than the priors expect (other
         # CUDA contexts on the GPU, a bigger communicator): stay under what it measured, less
@@ -273,8 +291,13 @@ def startup_utilization(
         # nothing but this check (vLLM 0.33 gpu_worker: "does not respect the
         # gpu_memory_utilization config"), so a lower value costs no KV.
         total = min(r.total_bytes for r in plan.ranks)
-        share = (startup_free_bytes - plan.inputs.safety_margin_bytes) / total
+        share = (startup_free_bytes + external - plan.inputs.safety_margin_bytes) / total
         util = min(util, max(0.001, math.floor(share * 1000) / 1000))
+    if external > 0:
+        # at or below the weights held outside, vLLM leaves its engine nothing and refuses to start
+        total = min(r.total_bytes for r in plan.ranks)
+        least = math.ceil((external + plan.inputs.safety_margin_bytes) / total * 1000) / 1000
+        util = min(1.0, max(util, least))
     return util
 
 

@@ -43,7 +43,7 @@ class Rules:
 def rules_for(version: str | None) -> Rules:
     choice = vllm_snapshots.for_engine(version)
     snap = choice.snapshot
-    return Rules(snap, VllmCli(snap.cli, snap.version), choice.note)
+    return Rules(snap, VllmCli(snap.cli, snap.version, snap.surface), choice.note)
 
 
 def rules_for_image(image: str) -> Rules:

@@ -3,9 +3,13 @@
 `VllmCli` knows every option of one vLLM release (all spellings, hidden aliases included, the
 kind, nargs, value type and choices: `rankguard_operator/vllm_snapshots/<version>/cli.json`)
 and reads an argv the way vLLM's FlexibleArgumentParser does: `_` and `-` alike in long names,
-`--flag=value`, unambiguous prefixes of long flags, `--json-arg.key value`, `-O3`. It reports
-each problem as one sentence instead of exiting 2, so the operator can refuse an LLMService
-before anything is deployed and `rankguard render --check` can say what vLLM would refuse.
+`--flag=value`, unambiguous prefixes of long and single-dash flags (the help action counts: `--he`
+is ambiguous), `--json-arg.key value`, `-O3` and `-O 3`. The JSON options (a pydantic dataclass
+to vLLM) are checked against their recorded schema (core/engine/json_options). It reports each
+problem as one sentence instead of exiting 2 or crashing, so the operator can refuse an
+LLMService before anything is deployed and `rankguard render --check` can say what vLLM would
+refuse. tests/unit/test_vllm_surface.py holds it against what the real parser did with 1,000+
+command lines (tests/fixtures/vllm_argv_cases.json).
 
 Pure: no I/O (the snapshot is handed in).
 """
@@ -15,9 +19,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from difflib import get_close_matches
 from typing import Any
+
+from rankguard_operator.core.engine.json_options import check_json_option
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
@@ -26,10 +32,11 @@ _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 class Option:
     dest: str
     spellings: tuple[str, ...]
-    kind: str  # value | append | true | false | switch | custom
+    kind: str  # value | append | true | false | switch | custom | help
     nargs: int | str | None
     type: Mapping[str, Any] | None
     choices: tuple[Any, ...] | None
+    negative: tuple[str, ...] = ()  # a switch's spellings that turn it off (`--no-enable-lora`)
 
     @property
     def takes_value(self) -> bool:
@@ -50,6 +57,13 @@ class Word:
     key: str  # the normalised flag as written (`--max-model-len`), for messages
     attached: str | None  # the value after `=`, or None
     dotted: bool = False  # `--json-arg.key value`: a piece of a JSON option
+    values: tuple[str, ...] = ()  # the values it took (filled by `walk`)
+    ambiguous: tuple[str, ...] = ()  # the flags an ambiguous prefix could mean
+
+    @property
+    def turns_off(self) -> bool:
+        """A switch's negative spelling (`--no-enable-lora`, `--disable-x`): nothing turned on."""
+        return self.option is not None and self.key in self.option.negative
 
 
 def human_readable_int(value: str) -> int:
@@ -76,6 +90,7 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "human_readable_int": human_readable_int,
     "human_readable_int_or_auto": _human_readable_int_or_auto,
     "json": json.loads,
+    "lower": str.lower,  # vLLM's `lambda s: s.lower()` before its choices: AITER is aiter
 }
 
 
@@ -104,12 +119,21 @@ _TYPE_WORDS = {
 }
 
 
-class VllmCli:
-    """One vLLM release's `vllm serve` options (cli.json of its snapshot)."""
+HELP = "help"
 
-    def __init__(self, cli_doc: Mapping[str, Any], version: str) -> None:
+
+class VllmCli:
+    """One vLLM release's `vllm serve` options (cli.json of its snapshot, and what its
+    surface.json records beyond argparse: the help spellings and the JSON options' schemas)."""
+
+    def __init__(
+        self, cli_doc: Mapping[str, Any], version: str, surface: Mapping[str, Any] | None = None
+    ) -> None:
         self.version = version
         self.allow_abbrev = bool(cli_doc.get("allow_abbrev", True))
+        surface = surface or {}
+        self.json_options: Mapping[str, Any] = surface.get("json_options", {})
+        helps = tuple(surface.get("help_options", ()))
         self.options: tuple[Option, ...] = tuple(
             Option(
                 dest=o["dest"],
@@ -118,12 +142,14 @@ class VllmCli:
                 nargs=o["nargs"],
                 type=o.get("type"),
                 choices=None if o.get("choices") is None else tuple(o["choices"]),
+                negative=tuple(o.get("negative_option_strings") or ()),
             )
             for o in cli_doc["options"]
-        )
+        ) + ((Option(HELP, helps, HELP, 0, None, None),) if helps else ())
         self._by_spelling = {s: o for o in self.options for s in o.spellings}
         self._by_dest = {o.dest: o for o in self.options}
         self._longs = sorted(s for s in self._by_spelling if s.startswith("--"))
+        self._shorts = sorted(s for s in self._by_spelling if not s.startswith("--"))
 
     def option(self, dest: str) -> Option | None:
         return self._by_dest.get(dest)
@@ -145,6 +171,19 @@ class VllmCli:
         head = item.split("=", 1)[0]
         return " " not in head
 
+    def _prefix(self, key: str, attached: str | None, among: list[str]) -> Word:
+        """argparse's abbreviation rule: one option whose spelling starts with `key` (several
+        spellings of one option are one match); more than one is ambiguous, which vLLM refuses."""
+        matches: dict[str, str] = {}
+        for s in among:
+            if s.startswith(key):
+                matches.setdefault(self._by_spelling[s].dest, s)
+        if len(matches) == 1:
+            return Word(self._by_spelling[next(iter(matches.values()))], key, attached)
+        if len(matches) > 1:
+            return Word(None, key, attached, ambiguous=tuple(sorted(matches.values())))
+        return Word(None, key, attached)
+
     def read(self, item: str) -> Word:
         """The option `item` names (None: vLLM does not know it), normalised as vLLM does."""
         if item.startswith("-O") and item != "-O" and not item.startswith("--"):
@@ -161,11 +200,25 @@ class VllmCli:
             if key in self._by_spelling:
                 return Word(self._by_spelling[key], key, attached)
             if self.allow_abbrev and len(key) > 2:
-                matches = {self._by_spelling[s].dest: s for s in self._longs if s.startswith(key)}
-                if len(matches) == 1:
-                    return Word(self._by_spelling[next(iter(matches.values()))], key, attached)
+                return self._prefix(key, attached, self._longs)
             return Word(None, key, attached)
-        return Word(self._by_spelling.get(key), key, attached)
+        if "." in key:  # `-cc.mode=3`: a dotted piece of a JSON option's single-dash alias
+            return Word(self._by_spelling.get(key.split(".", 1)[0]), key, attached, dotted=True)
+        if key in self._by_spelling:
+            return Word(self._by_spelling[key], key, attached)
+        if self.allow_abbrev:
+            # argparse matches a single-dash item as a whole against every spelling (`-t 2` is
+            # `-tp 2`; `-tp2` matches nothing)
+            return self._prefix(item, None, self._shorts)
+        return Word(None, key, attached)
+
+    def _misread_dotted(self, item: str) -> bool:
+        """An item FlexibleArgumentParser takes for a dotted JSON option that is none: it starts
+        with one '-' and holds a '.' before any '=' (`-0.5`, `-.5`), wherever it stands."""
+        if not item.startswith("-") or item.startswith("--") or "." not in item.split("=", 1)[0]:
+            return False
+        word = self.read(item)
+        return word.option is None or not word.dotted
 
     def suggest(self, key: str) -> str:
         close = get_close_matches(key, self._longs, n=1, cutoff=0.75)
@@ -176,6 +229,12 @@ class VllmCli:
 
     def check_value(self, option: Option, key: str, value: str) -> str | None:
         """Why vLLM would refuse `value` for `option`, or None."""
+        entry = self.json_options.get(option.dest)
+        if entry is not None:
+            if (option.type or {}).get("name") == "optional" and value in ("", "None"):
+                return None
+            why = check_json_option(entry, value, human_readable_int)
+            return None if why is None else f"{key} {why}"
         try:
             converted = convert(option.type, value)
         except ValueError:
@@ -188,13 +247,32 @@ class VllmCli:
 
     def walk(self, argv: Sequence[str]) -> tuple[list[tuple[int, Word]], list[str]]:
         """Read `argv` (flags only, no `serve MODEL`) as vLLM would: ([(index, word) for every
-        flag], [one sentence per problem]). Values are checked against types and choices."""
+        flag, with the values it took], [one sentence per problem]). Values are checked against
+        types, choices and (JSON options) their dataclass's schema; dotted pieces of a JSON
+        option (`-cc.mode=3`) are folded into one object and checked as vLLM folds them."""
         words: list[tuple[int, Word]] = []
         problems: list[str] = []
+        dotted: dict[str, tuple[int, Option, dict[str, Any]]] = {}
+        # FlexibleArgumentParser reads these before argparse, wherever they stand (a value too)
+        misread = {j for j, item in enumerate(argv) if self._misread_dotted(item)}
+        for j in sorted(misread):
+            problems.append(
+                f"[{j}] {argv[j]!r}: vLLM {self.version} reads an item that starts with '-' and holds a "
+                "'.' as a dotted JSON option (`-x.key value`): a negative decimal crashes its parser or "
+                "swallows the next item; leave it out or write it without the sign"
+            )
         i = 0
         while i < len(argv):
             item = argv[i]
-            at = f"[{i}] {item!r}"
+            start, at = i, f"[{i}] {item!r}"
+            if i in misread:
+                i += 1
+                continue
+            if item == "-O" and i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
+                o = self._by_spelling.get("--optimization-level")
+                words.append((i, Word(o, "-O", argv[i + 1], values=(argv[i + 1],))))
+                i += 2
+                continue
             if not self.looks_like_flag(item):
                 if item.startswith("-") and " " in item:
                     parts = ", ".join(repr(p) for p in item.split())
@@ -207,18 +285,36 @@ class VllmCli:
                 i += 1
                 continue
             word = self.read(item)
-            words.append((i, word))
             o = word.option
             if o is None:
-                problems.append(f"{at}: vLLM {self.version} has no option {word.key}{self.suggest(word.key)}")
+                words.append((i, word))
+                if word.ambiguous:
+                    problems.append(
+                        f"{at}: {word.key} is ambiguous to vLLM {self.version} (it could be "
+                        f"{', '.join(word.ambiguous)}); write the whole flag"
+                    )
+                else:
+                    problems.append(
+                        f"{at}: vLLM {self.version} has no option {word.key}{self.suggest(word.key)}"
+                    )
                 i += 1
                 continue
             if word.dotted:  # `--json-arg.key value`: vLLM folds these into the JSON option
+                text = word.attached
+                if text is None and i + 1 < len(argv):
+                    text = argv[i + 1]
                 i += 1 if word.attached is not None else 2
+                if text is None:
+                    problems.append(f"{at}: {word.key} needs a value")
+                    continue
+                words.append((start, replace(word, values=(text,))))
+                merged = dotted.setdefault(o.dest, (start, o, {}))[2]
+                _fold(merged, word.key, text)
                 continue
             if not o.takes_value:
                 if word.attached is not None:
                     problems.append(f"{at}: {word.key} takes no value")
+                words.append((i, word))
                 i += 1
                 continue
             values: list[str] = []
@@ -233,12 +329,22 @@ class VllmCli:
                     i += 1
                     if o.nargs == "?" and values:
                         break
+            misread_values = {argv[j] for j in misread if start < j < i}
+            words.append((start, replace(word, values=tuple(values))))
             if not values and o.nargs not in ("?", "*"):
                 problems.append(f"{at}: {word.key} needs a value")
             for v in values:
+                if v in misread_values:
+                    continue
                 why = self.check_value(o, word.key, v)
+                if why is None and many_optional(o) and v in ("", "None"):
+                    why = f"{word.key} reads {v!r} as null inside its list, which vLLM's config refuses"
                 if why is not None:
                     problems.append(f"{at}: {why}")
+        for first, o, merged in dotted.values():
+            why = self.check_value(o, o.name, json.dumps(merged))
+            if why is not None:
+                problems.append(f"[{first}] {o.name} (from its dotted items): {why}")
         return words, problems
 
     def check_serve(self, argv: Sequence[str]) -> list[str]:
@@ -246,3 +352,31 @@ class VllmCli:
         if len(argv) < 2 or argv[0] != "serve" or self.looks_like_flag(argv[1]):
             return ["the command must be `vllm serve MODEL …`"]
         return self.walk(argv[2:])[1]
+
+
+def many_optional(o: Option) -> bool:
+    """A list option whose items are optional (`None` is null to vLLM)."""
+    return o.nargs in ("+", "*") and (o.type or {}).get("name") == "optional"
+
+
+def _fold(merged: dict[str, Any], key: str, text: str) -> None:
+    """One `--json-arg.a.b value` item into its option's object, as FlexibleArgumentParser does:
+    the value as JSON, else a human-readable integer, else the string; `key+` splits a list."""
+    path = key.split(".")[1:]
+    if path and path[-1].endswith("+"):
+        path[-1] = path[-1][:-1]
+        value: Any = text.split(",")
+    else:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            try:
+                value = human_readable_int(text)
+            except ValueError:
+                value = text
+    node = merged
+    for k in path[:-1]:
+        nxt = node.get(k)
+        node = node.setdefault(k, {}) if not isinstance(nxt, dict) else nxt
+    if path:
+        node[path[-1]] = value

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rankguard_operator.core.engine.rules import rules_for_image
+from rankguard_operator.core.engine.surface import measure_first_reasons
 from rankguard_operator.core.model.catalog import CATALOG, lookup_catalog
 from rankguard_operator.core.model.checkpoint import CheckpointError, parse_summary, summary_json
 from rankguard_operator.core.model.hf_config import canonical_json, relevant_config, shape_from_hf_config
@@ -124,13 +125,6 @@ def check_split(shape: ModelShape, tp: int, pp: int) -> None:
 # The documents that describe a model: a ConfigMap's config.json, what an agent read
 
 MAX_CONFIG_JSON = 64 * 1024  # the part of a config.json the planner reads is ~2 KiB
-# vLLM options whose memory the planner does not model: with one of them the service is
-# measured, not planned (a draft model's weights and KV, LoRA adapters' slots).
-UNMODELLED_OPTIONS = {
-    "speculative_config": "speculative decoding (a draft model or MTP layers) is not modelled",
-    "enable_lora": "LoRA adapters are not modelled",
-    "kv_transfer_config": "a KV connector (e.g. LMCache) holds GPU memory that is not modelled",
-}
 
 
 @dataclass(frozen=True)
@@ -262,19 +256,9 @@ def learned_from_report(
 
 
 def _unmodelled_options(spec: ServiceSpec) -> str:
-    """What the spec's extraArgs turn on that the planner does not model, read the way the
-    image's vLLM reads them (`--no-enable-lora` turns nothing on)."""
-    cli = rules_for_image(spec.image).cli
-    found: list[str] = []
-    for _, word in cli.walk(spec.engine.extra_args)[0]:
-        o = word.option
-        if (
-            o is not None
-            and o.dest in UNMODELLED_OPTIONS
-            and not word.key.startswith(("--no-", "--disable-"))
-        ):
-            found.append(UNMODELLED_OPTIONS[o.dest])
-    return "; ".join(dict.fromkeys(found))
+    """What the spec's extraArgs turn on that the planner does not model (core/engine/surface),
+    read the way the image's vLLM reads them (`--no-enable-lora` turns nothing on)."""
+    return "; ".join(measure_first_reasons(spec.engine.extra_args, rules_for_image(spec.image).cli))
 
 
 # ---------------------------------------------------------------------------------------------

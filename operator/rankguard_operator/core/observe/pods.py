@@ -114,6 +114,9 @@ class Termination:
     kv_cache_bytes: int | None = None  # vLLM's "Available KV cache memory" in the run, if printed
     flags: ServingFlags | None = None  # what the pod ran with (its rankguard annotation)
     startup_refusal: bool = False  # vLLM's start-up check: free at start < utilisation × total
+    # a start-up refusal because the weights another process holds on the GPU (a zero-copy
+    # weight cache) reach utilisation × total: these bytes; None for every other termination
+    external_weight_bytes: int | None = None
 
     @property
     def key(self) -> str:
@@ -152,6 +155,7 @@ def _from_log_tail(text: str, reason: str, exit_code: int | None) -> dict[str, A
                 "total_bytes": seen.total_bytes,
                 "message": seen.text,
                 "startup_refusal": seen.startup_check,
+                "external_weight_bytes": seen.external_weight_bytes,
             }
         if isinstance(seen, KVTooSmall):
             return {"kind": KV_CACHE_TOO_SMALL, "message": seen.text}
@@ -185,6 +189,7 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
             "message": msg.detail or msg.reason,
             "kv_cache_bytes": _kv_bytes_from_line(msg.last_kv_line),
             "startup_refusal": msg.startup_check,
+            "external_weight_bytes": msg.external_weight_bytes if msg.startup_check else None,
         }
     # The host cgroup's verdict wins: when the kernel OOM-killed the container, whatever the
     # launcher managed to write (usually "Signaled") is a consequence, not the cause.

@@ -24,6 +24,7 @@ from rankguard_operator.core.policy.decision import (
     rank_text,
 )
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
+from rankguard_operator.core.policy.startup_refusals import startup_refusal
 from rankguard_operator.core.policy.tunables import (
     KNOBS,
     T_CUDA_OOM,
@@ -54,23 +55,9 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
             f"{format_bytes(worst.free_bytes)} free)"
         )
     margin = inp.spec.memory.safety_margin_bytes
-    if cur.kv_cache_memory_bytes is not None and all(t.startup_refusal for t in ooms):
-        # vLLM's start-up check compared its free memory with the utilisation rendered next to
-        # the byte budget, not the budget: the budget stays, and the next render keeps that
-        # utilisation under the free memory vLLM just measured (engine_status.startup_free)
-        free = "" if worst.free_bytes is None else f" with {format_bytes(worst.free_bytes)} free at start-up"
-        return make_decision(
-            inp,
-            "none",
-            cur,
-            trigger=T_CUDA_OOM,
-            reason="StartupCheckRefused",
-            message=f"vLLM refused to start on {rank_text(worst.rank)} in pod {worst.pod_name}{free}: "
-            f"less than the utilisation rendered for its start-up check; the per-GPU KV budget "
-            f"{cur.budget_text()} stays, and that utilisation now stays under what vLLM measured",
-            rank=worst.rank,
-            handled=keys,
-        )
+    refused = startup_refusal(inp, ooms, worst)
+    if refused is not None:
+        return refused
     if inp.spec.memory.pinned:
         need = (worst.deficit_bytes or 0) + margin
         return make_decision(

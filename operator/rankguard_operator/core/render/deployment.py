@@ -75,22 +75,28 @@ def _util_text(u: float) -> str:
 
 
 def vllm_args(
-    spec: ServiceSpec, flags: ServingFlags, plan: Plan | None, startup_free_bytes: int | None = None
+    spec: ServiceSpec,
+    flags: ServingFlags,
+    plan: Plan | None,
+    startup_free_bytes: int | None = None,
+    external_weight_bytes: int | None = None,
 ) -> list[str]:
     """Arguments after `vllm`: `serve MODEL` and every flag rankguard owns, then extraArgs.
 
     The byte budget wins when known: with `--kv-cache-memory-bytes` vLLM sizes the KV cache
     from it alone. A utilisation is still rendered next to it for vLLM's start-up check
     (budget.startup_utilization over the spec's prior `plan`, kept below the free memory
-    vLLM measured at start-up, `startup_free_bytes`), so a small card under TP is not
-    refused at start."""
+    vLLM measured at start-up, `startup_free_bytes`, and above the weights another process holds
+    on the GPU, `external_weight_bytes`), so a small card under TP is not refused at start."""
     e = spec.engine
     args = ["serve", spec.model.name, "--tensor-parallel-size", str(spec.tp)]
     if spec.pp > 1:
         args += ["--pipeline-parallel-size", str(spec.pp)]
     if flags.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(flags.kv_cache_memory_bytes)]
-        startup = startup_utilization(plan, flags.kv_cache_memory_bytes, startup_free_bytes)
+        startup = startup_utilization(
+            plan, flags.kv_cache_memory_bytes, startup_free_bytes, external_weight_bytes
+        )
         if startup is not None:
             args += ["--gpu-memory-utilization", _util_text(startup)]
     elif flags.gpu_memory_utilization is not None:
@@ -221,6 +227,7 @@ def _pod_spec(
     plan: Plan | None,
     *,
     startup_free_bytes: int | None,
+    external_weight_bytes: int | None,
     shape: ModelShape | None,
 ) -> dict[str, Any]:
     vllm = {
@@ -230,7 +237,7 @@ def _pod_spec(
             *agent_args(spec, plan, shape),
             "--",
             "vllm",
-            *vllm_args(spec, flags, plan, startup_free_bytes),
+            *vllm_args(spec, flags, plan, startup_free_bytes, external_weight_bytes),
         ],
         "env": _env(name, spec),
         "ports": [
@@ -323,6 +330,7 @@ def render_deployment(
     plan: Plan | None,
     revision_annotations: Mapping[str, str] | None = None,
     startup_free_bytes: int | None = None,
+    external_weight_bytes: int | None = None,
     shape: ModelShape | None = None,
 ) -> dict[str, Any]:
     """The serving Deployment.
@@ -330,7 +338,8 @@ def render_deployment(
     `plan` is the spec's prior plan (budget.prior_plan; None when the GPU size is not known
     yet): it sizes the start-up utilisation and the agent's probe collectives.
     `startup_free_bytes`: the least free memory vLLM measured at a worker's start-up (kept in
-    status), which that utilisation must stay under.
+    status), which that utilisation must stay under; `external_weight_bytes`: the weights another
+    process holds on one GPU (kept in status after vLLM refused for them), which it must exceed.
     `shape`: the model's shape as the spec alone names it, which sizes the agent's probe while
     there is no plan (see `agent_args`).
     `revision_annotations` go on the Deployment's own metadata (never the pod template), so
@@ -362,7 +371,14 @@ def render_deployment(
                     "annotations": {FLAGS_ANNOTATION: _canonical_json(flags.to_status())},
                 },
                 "spec": _pod_spec(
-                    name, spec, flags, agent_image, plan, startup_free_bytes=startup_free_bytes, shape=shape
+                    name,
+                    spec,
+                    flags,
+                    agent_image,
+                    plan,
+                    startup_free_bytes=startup_free_bytes,
+                    external_weight_bytes=external_weight_bytes,
+                    shape=shape,
                 ),
             },
         },

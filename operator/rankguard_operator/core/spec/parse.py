@@ -23,6 +23,7 @@ from typing import Any
 
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION, check_extra_args
 from rankguard_operator.core.engine.rules import rules_for_image
+from rankguard_operator.core.engine.surface import block_size_problem, check_host_memory, check_surface
 from rankguard_operator.core.spec.crd import (
     BLOCK_SIZES,
     DEFAULT_COOLDOWN_SECONDS,
@@ -333,7 +334,17 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     engine = _parse_engine(spec)
     # extraArgs are read the way the image's vLLM reads them (its recorded CLI: every flag,
     # alias and value type), so what vLLM would refuse is refused here, before a roll.
-    problems = check_extra_args(engine.extra_args, rules_for_image(image).cli)
+    rules = rules_for_image(image)
+    cli = rules.cli
+    problems = check_extra_args(engine.extra_args, cli)
+    if engine.block_size is not None:
+        block = block_size_problem(rules.snapshot.surface, engine.block_size, rules.version, BLOCK_SIZES)
+        problems += [block] if block else []
+    # ... and what a rankguard pod cannot run with: another world size, no HTTP on the port, a
+    # launcher, rules vLLM checks before it loads anything, more host memory than the limit
+    problems = problems or check_surface(engine.extra_args, cli, tp, pp)
+    resources = parse_resources(spec)
+    problems = problems or check_host_memory(engine.extra_args, cli, tp * pp, resources.memory_limit_bytes)
     if problems:
         raise SpecError("; ".join(problems))
     cache = parse_model_cache(spec)
@@ -347,7 +358,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         memory=memory,
         remediation=_parse_remediation(spec, memory),
         agent=parse_agent(spec),
-        resources=parse_resources(spec),
+        resources=resources,
         listen_address=choice_field(spec, "listenAddress", "spec", LISTEN_ADDRESSES[0], LISTEN_ADDRESSES),
         model_cache=cache,
         template=parse_template(spec.get("template"), cache.mount_path if cache is not None else None),

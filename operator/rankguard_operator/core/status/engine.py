@@ -33,6 +33,10 @@ class EngineView:
     # the least free memory any rank had when its worker started, as vLLM measured it (its
     # per-worker report, or its start-up refusal): what its start-up check compares with
     startup_free_bytes: int | None = None
+    # the most weight bytes another process held on one GPU (a zero-copy weight cache) when vLLM
+    # refused to start because they reached utilisation × total: the utilisation rendered next to
+    # a byte budget must rise above them, and its check of free memory counts them as the engine's
+    external_weight_bytes: int | None = None
     # engine lines the agents could not read, by kind (a garbled or newer format)
     unread: Mapping[str, int] = field(default_factory=dict)
 
@@ -68,6 +72,12 @@ def engine_view(
     free += [r.engine_free_at_start for r in fresh if r.engine_free_at_start is not None]
     if kept_free is not None:
         free.append(kept_free)
+    external = [
+        t.external_weight_bytes for t in terminations if t.startup_refusal and t.external_weight_bytes
+    ]
+    kept_external = state.kept_external_weights(key)
+    if kept_external is not None:
+        external.append(kept_external)
     return EngineView(
         version=version,
         source=source,
@@ -75,6 +85,7 @@ def engine_view(
         non_kv={int(r["rank"]): int(r["nonKVBytes"]) for r in ordered},
         rows=ordered,
         startup_free_bytes=min(free) if free else None,
+        external_weight_bytes=max(external) if external else None,
         unread=dict(observation.unparsed_lines) if observation is not None else {},
     )
 
@@ -87,6 +98,8 @@ def engine_status(view: EngineView, key: str) -> dict[str, Any]:
         doc["ranks"] = [dict(r) for r in view.rows]
     if view.startup_free_bytes is not None:
         doc["startupFreeBytes"] = view.startup_free_bytes
+    if view.external_weight_bytes is not None:
+        doc["externalWeightBytes"] = view.external_weight_bytes
     return doc
 
 

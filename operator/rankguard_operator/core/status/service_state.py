@@ -89,6 +89,9 @@ class ServiceState:
     engine_rows: tuple[Mapping[str, Any], ...] = ()
     engine_budget_key: str | None = None
     startup_free_bytes: int | None = None
+    # the most weight bytes another process held on one GPU when vLLM refused to start for them
+    # ("Externally held weights on device ..."), same budget key; read through `kept_external_weights`
+    external_weight_bytes: int | None = None
     service_applied: bool = False
     observed_generation: int | None = None
     learned_model: LearnedModel | None = None  # status.model: what an agent read from the pod
@@ -100,6 +103,10 @@ class ServiceState:
         if self.engine_budget_key != key:
             return (), None
         return self.engine_rows, self.startup_free_bytes
+
+    def kept_external_weights(self, key: str) -> int | None:
+        """status.engine's externally held weight bytes when measured under budget key `key`."""
+        return self.external_weight_bytes if self.engine_budget_key == key else None
 
     @property
     def engine_non_kv(self) -> dict[int, int]:
@@ -130,6 +137,7 @@ class ServiceState:
             engine_rows=_engine_rows(engine),
             engine_budget_key=_str(engine.get("budgetKey")),
             startup_free_bytes=_positive_int(engine.get("startupFreeBytes")),
+            external_weight_bytes=_positive_int(engine.get("externalWeightBytes")),
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
             learned_model=LearnedModel.from_status(s.get("model")),

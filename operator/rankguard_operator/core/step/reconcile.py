@@ -119,6 +119,7 @@ class _Pass:
         # what the last pass rendered with; this pass's engine view may lower it
         self.key = budget_key(spec)
         self.startup_free = state.kept_engine(self.key)[1]
+        self.external_weights = state.kept_external_weights(self.key)
         self.node_gpu = node_gpu
 
     def gpu(self, learned: int | None) -> int | None:
@@ -137,6 +138,7 @@ class _Pass:
             plan=self.prior,
             revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
             startup_free_bytes=self.startup_free,
+            external_weight_bytes=self.external_weights,
             shape=self.model.spec_shape,
         )
 
@@ -225,6 +227,7 @@ class _Pass:
             self.learn_model(reports)
             engine = engine_view(state, spec, observation, self.key, fresh_terms)
             self.startup_free = engine.startup_free_bytes
+            self.external_weights = engine.external_weight_bytes
             gpu = state.gpu_memory_bytes
             learned = learned_gpu_bytes(observation, spec.world_size, [t.total_bytes for t in fresh_terms])
             if learned is not None and learned != gpu:

@@ -1,0 +1,238 @@
+"""What the real `vllm serve` checks beyond argparse's types, read out of the installed package.
+
+Imported by snapshot.py (runs INSIDE the venv with the real vLLM). Writes `surface.json`:
+
+- `help_options`: the help action's spellings. They are not options a service can use, but
+  they count for prefix matching (`--he` is ambiguous between `--help` and `--headless`).
+- `json_options`: every option whose value vLLM parses as a pydantic dataclass
+  (`parse_dataclass` in vllm/engine/arg_utils.py: `TypeAdapter(cls).validate_json`), with the
+  dataclass's JSON schema (titles, descriptions and defaults stripped: only what validates),
+  or, where pydantic cannot write a schema, the field names alone. An Enum field that vLLM
+  also takes by member name carries the names that validate (`x-names`).
+- `attention_block_sizes`: for each attention backend vLLM's CUDA platform tries for
+  non-MLA models (`_get_backend_priorities`), the block sizes from a candidate list its own
+  `supports_block_size` accepts.
+- `world_size`: the ParallelConfig fields whose product is vLLM's world size (read from the
+  assignment in `ParallelConfig.__post_init__`), with the source line.
+- `endpoint_dests`: the options the serve command and the API server's socket setup read to
+  decide what listens where (`ServeSubcommand.cmd`, `setup_server`, and `build_and_serve`'s
+  `serve_http(...)` call; `args.X` and `getattr(args, "X", ...)` alike), with the function each was read in.
+- `memory_dests`: the options that size GPU or host memory by name (`*_gb`, `*_bytes`,
+  `*_size` of an offload, memory utilisation): the ones the operator must plan, own or refuse.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# Block sizes tried against each backend's own `supports_block_size` (powers of two and the
+# odd multiples users try); the snapshot records which pass.
+CANDIDATE_BLOCK_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+# JSON-schema keys that validate; the rest (title, description, default, examples) do not.
+SCHEMA_KEYS = {
+    "type",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "$defs",
+    "properties",
+    "additionalProperties",
+    "items",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "required",
+}
+MEMORY_NAME = re.compile(r"(_gb$|_bytes$|memory|offload)")
+
+
+def _strip(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k in ("properties", "$defs"):
+                out[k] = {name: _strip(s) for name, s in v.items()}
+            elif k in SCHEMA_KEYS:
+                out[k] = _strip(v)
+        return out
+    if isinstance(schema, list):
+        return [_strip(s) for s in schema]
+    return schema
+
+
+def _dataclass_of(action: Any) -> Any:
+    """The dataclass a `parse_dataclass` type validates into (also under `optional_type`)."""
+    t = action.type
+    for _ in range(2):
+        if t is None or not hasattr(t, "__code__"):
+            return None
+        if t.__name__ == "parse_dataclass":
+            return (t.__defaults__ or (None,))[0]
+        cells = dict(zip(t.__code__.co_freevars, t.__closure__ or (), strict=True))
+        if "return_type" not in cells:
+            return None
+        t = cells["return_type"].cell_contents
+    return None
+
+
+def _enums_in(annotation: Any) -> list[Any]:
+    import enum
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [annotation]
+    return [e for arg in typing.get_args(annotation) for e in _enums_in(arg)]
+
+
+def _add_enum_names(cls: Any, schema: dict[str, Any]) -> None:
+    """A field typed by an Enum whose schema lists the values, but which vLLM also takes by
+    member name (a before-validator: `"cudagraph_mode": "FULL_AND_PIECEWISE"`): the names that
+    validate are recorded on the field as `x-names`, each tried through the real TypeAdapter."""
+    import typing
+
+    from pydantic import TypeAdapter
+
+    hints = typing.get_type_hints(cls)
+    adapter = TypeAdapter(cls)
+    for name, prop in schema.get("properties", {}).items():
+        names = []
+        for e in _enums_in(hints.get(name)):
+            for member in e:
+                try:
+                    adapter.validate_json(json.dumps({name: member.name}))
+                except Exception:
+                    continue
+                names.append(member.name)
+        if names:
+            prop["x-names"] = sorted(set(names))
+
+
+def json_options(parser: Any) -> dict[str, Any]:
+    from pydantic import TypeAdapter
+
+    out: dict[str, Any] = {}
+    for action in parser._actions:
+        cls = _dataclass_of(action)
+        if cls is None:
+            continue
+        entry: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+        try:
+            entry["schema"] = _strip(TypeAdapter(cls).json_schema())
+            _add_enum_names(cls, entry["schema"])
+        except Exception as e:  # a field pydantic cannot describe (a plain validator function)
+            entry["schema"] = None
+            entry["schema_error"] = type(e).__name__
+            entry["fields"] = sorted(f for f in getattr(cls, "__dataclass_fields__", {}))
+        out[action.dest] = entry
+    if not out:
+        raise SystemExit("snapshot: no parse_dataclass option found; re-read vllm/engine/arg_utils.py")
+    return out
+
+
+def attention_block_sizes(site: Path) -> dict[str, Any]:
+    # vllm.platforms.cuda needs libcuda to import: its priority list is read from the source
+    # (every backend named in the non-MLA branch of `_get_backend_priorities`), the backends'
+    # classes import without a GPU.
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    rel = "vllm/platforms/cuda.py"
+    tree = ast.parse((site / rel).read_text(encoding="utf-8"))
+    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    [fn] = [n for n in fns if n.name == "_get_backend_priorities"]
+    [branch] = [n for n in fn.body if isinstance(n, ast.If) and ast.unparse(n.test) == "use_mla"]
+    names: list[str] = []
+    for stmt in branch.orelse:
+        for n in ast.walk(stmt):
+            enum = isinstance(n, ast.Attribute) and ast.unparse(n.value) == "AttentionBackendEnum"
+            if enum and n.attr not in names:
+                names.append(n.attr)
+    if not names:
+        raise SystemExit(f"snapshot: no non-MLA backend in {rel}:_get_backend_priorities; re-read it")
+    out: dict[str, Any] = {}
+    for name in names:
+        cls = AttentionBackendEnum[name].get_class()
+        out[name] = [b for b in CANDIDATE_BLOCK_SIZES if cls.supports_block_size(b)]
+    return out
+
+
+def world_size(site: Path) -> dict[str, Any]:
+    rel = "vllm/config/parallel.py"
+    tree = ast.parse((site / rel).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.FunctionDef) and node.name == "__post_init__"):
+            continue
+        for stmt in ast.walk(node):
+            if (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and ast.unparse(stmt.targets[0]) == "self.world_size"
+            ):
+                names = sorted(
+                    n.attr
+                    for n in ast.walk(stmt.value)
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+                )
+                return {"factors": names, "file": rel, "line": stmt.lineno, "text": ast.unparse(stmt)}
+    raise SystemExit(f"snapshot: no `self.world_size = ...` in ParallelConfig.__post_init__ ({rel})")
+
+
+ENDPOINT_SOURCES = (
+    ("vllm/entrypoints/cli/serve.py", "cmd"),
+    ("vllm/entrypoints/launchers/launcher.py", "setup_server"),
+    ("vllm/entrypoints/launchers/api_server/entry.py", "build_and_serve"),
+)
+
+
+def endpoint_dests(site: Path, dests: set[str]) -> dict[str, list[str]]:
+    """option dest -> the functions that read it (`args.<dest>`), for the three sources."""
+    found: dict[str, list[str]] = {}
+    for rel, func in ENDPOINT_SOURCES:
+        tree = ast.parse((site / rel).read_text(encoding="utf-8"))
+        fns = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        fns = [n for n in fns if n.name == func]
+        if not fns:
+            raise SystemExit(f"snapshot: {func} not in {rel}; re-read the serve entry points")
+        for fn in fns:
+            for n in ast.walk(fn):
+                name = None
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args":
+                    name = n.attr
+                elif (
+                    isinstance(n, ast.Call)
+                    and ast.unparse(n.func) == "getattr"
+                    and len(n.args) >= 2
+                    and ast.unparse(n.args[0]) == "args"
+                    and isinstance(n.args[1], ast.Constant)
+                ):
+                    name = str(n.args[1].value)
+                if name in dests:
+                    where = f"{rel}:{func}"
+                    if where not in found.setdefault(name, []):
+                        found[name].append(where)
+    return {k: sorted(v) for k, v in sorted(found.items())}
+
+
+def surface_snapshot(parser: Any, site: Path) -> dict[str, Any]:
+    helps = sorted(s for a in parser._actions if type(a).__name__ == "_HelpAction" for s in a.option_strings)
+    if not helps:
+        raise SystemExit("snapshot: the serve parser has no help action")
+    dests = {a.dest for a in parser._actions if a.option_strings}
+    return {
+        "help_options": helps,
+        "json_options": json_options(parser),
+        "attention_block_sizes": attention_block_sizes(site),
+        "world_size": world_size(site),
+        "endpoint_dests": endpoint_dests(site, dests),
+        "memory_dests": sorted(d for d in dests if MEMORY_NAME.search(d)),
+    }

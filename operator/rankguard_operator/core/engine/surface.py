@@ -1,0 +1,331 @@
+"""vLLM's options that change what rankguard plans, and what rankguard does with each.
+
+Three things about a pod must hold for the budget to mean anything: the GPUs it asks for are
+the GPUs vLLM uses (its world size), vLLM answers plain HTTP on the port the Service, the probes
+and the agent use, and the memory vLLM uses is the memory the planner counted. The snapshot
+records which options touch each (surface.json: the world size's factors, the options the
+serve command and the socket set-up read, the options that size memory); every one of them is
+here, or owned (core/engine/owned_flags), or in `NO_EFFECT` with the reason it changes none of
+the three. tests/unit/test_vllm_surface.py fails when a new vLLM adds one that is nowhere.
+
+- `REFUSED`: the option turns on something a rankguard pod cannot be (no HTTP server, a world
+  larger than the pod, TLS the probes cannot speak, another launcher): refused with the reason.
+- `MEASURE_FIRST`: the option changes GPU memory in a way the planner does not model: the
+  service is measured, not planned (the ModelResolved condition says why).
+- `HOST_MEMORY`: options that take host RAM, held against the pod's memory limit.
+- Rules vLLM checks before it loads anything (`RULES`: one option needs another, a value out
+  of range), so a spec that would crash-loop is refused at apply time.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rankguard_operator.core.engine.vllm_cli import HELP, VllmCli, Word
+from rankguard_operator.core.units import format_bytes
+
+GIB = 1 << 30
+
+_NO_HTTP = "nothing would answer HTTP on the port the Service, the probes and the agent use"
+_DP = (
+    "one pod is one data-parallel replica of tensor × pipeline GPUs; run more replicas with "
+    "spec.replicas (the Service balances them)"
+)
+_MULTI_NODE = (
+    "multi-node serving is not supported yet: one pod waits forever for nodes that never join; "
+    "run the model within one pod"
+)
+_TLS = (
+    "TLS at vLLM is not supported: the probes, the Service and the agent speak plain HTTP to it; "
+    "terminate TLS at an Ingress, a Gateway or a service mesh"
+)
+_RAY = "a Ray executor places ranks where rankguard cannot see them; rankguard runs vLLM's mp executor"
+
+# dest -> why a rankguard pod cannot run with it turned on
+REFUSED: dict[str, str] = {
+    HELP: "prints the help and exits: the container would restart forever",
+    "headless": f"starts no API server: {_NO_HTTP}",
+    "grpc": f"serves gRPC instead of HTTP: {_NO_HTTP}",
+    "grpc_port": f"belongs to the gRPC front end: {_NO_HTTP}",
+    "uds": f"listens on a unix socket instead of the port: {_NO_HTTP}",
+    "ssl_keyfile": _TLS,
+    "ssl_certfile": _TLS,
+    "ssl_ca_certs": _TLS,
+    "ssl_cert_reqs": _TLS,
+    "ssl_ciphers": _TLS,
+    "enable_ssl_refresh": _TLS,
+    "prefill_context_parallel_size": (
+        "multiplies vLLM's world size (tensor × pipeline × prefill-context parallel) past the "
+        "tensor × pipeline GPUs the pod asks for, and the planner does not model it"
+    ),
+    "data_parallel_size_local": _DP,
+    "data_parallel_rank": _DP,
+    "data_parallel_start_rank": _DP,
+    "data_parallel_address": _DP,
+    "data_parallel_rpc_port": _DP,
+    "data_parallel_backend": _DP,
+    "data_parallel_hybrid_lb": _DP,
+    "data_parallel_external_lb": _DP,
+    "data_parallel_multi_port_external_lb": _DP,
+    "data_parallel_supervisor_port": _DP,
+    "enable_elastic_ep": "elastic expert parallelism grows and shrinks the world at run time; " + _DP,
+    "elastic_ep_max_dp_size": "elastic expert parallelism grows and shrinks the world at run time; " + _DP,
+    "enable_eplb": (
+        "expert-parallel load balancing moves experts between GPUs while serving and adds redundant "
+        "experts' weights the planner does not count"
+    ),
+    "nnodes": _MULTI_NODE,
+    "node_rank": _MULTI_NODE,
+    "master_addr": _MULTI_NODE,
+    "master_port": _MULTI_NODE,
+    "ray_workers_use_nsight": _RAY,
+}
+
+# dest -> what the planner does not model about it (the service is measured instead)
+MEASURE_FIRST: dict[str, str] = {
+    "speculative_config": "speculative decoding (a draft model or MTP layers) is not modelled",
+    "enable_lora": "LoRA adapters are not modelled",
+    "kv_transfer_config": "a KV connector (e.g. LMCache) holds GPU memory that is not modelled",
+    "kv_offloading_size": "KV offloading's GPU staging buffers are not modelled",
+    "cpu_offload_gb": "weights offloaded to host memory (--cpu-offload-gb) are not modelled",
+    "cpu_offload_params": "weights offloaded to host memory are not modelled",
+    "offload_backend": "weights offloaded to host memory are not modelled",
+    "offload_group_size": "weights offloaded to host memory are not modelled",
+    "offload_num_in_group": "weights offloaded to host memory are not modelled",
+    "offload_params": "weights offloaded to host memory are not modelled",
+    "offload_prefetch_step": "weights offloaded to host memory are not modelled",
+    "mm_ipc_gpu_memory_gb": "the multimodal IPC buffer on the GPU is not modelled",
+    "enable_expert_parallel": (
+        "expert parallelism places whole experts on each GPU instead of a slice of every expert; "
+        "the per-rank weights are not modelled"
+    ),
+    "decode_context_parallel_size": (
+        "decode context parallelism splits each request's KV cache across ranks; the KV model does "
+        "not count it"
+    ),
+}
+
+# dest -> host memory in bytes for one value (and whether the figure is per GPU)
+HOST_MEMORY: dict[str, tuple[str, bool]] = {
+    "cpu_offload_gb": ("GiB of weights per GPU", True),
+    "kv_offloading_size": ("GiB of KV cache in host memory, all ranks together", False),
+    "mm_processor_cache_gb": ("GiB of multimodal processor cache", False),
+}
+
+# Options the snapshot lists as deciding the endpoint or sizing memory that change none of the
+# three things above (or are owned elsewhere): dest -> why not.
+NO_EFFECT: dict[str, str] = {
+    "api_server_count": "more API server processes share the same port (0 is refused: see RULES)",
+    "model": "owned: spec.model.name",
+    "host": "owned: the pod's listen address",
+    "port": "owned: the pod's port",
+    "uvicorn_log_level": "logging only",
+    "disable_uvicorn_access_log": "logging only",
+    "h11_max_header_count": "HTTP parsing limits only",
+    "h11_max_incomplete_event_size": "HTTP parsing limits only",
+    "kv_offloading_backend": "chooses the KV offloading implementation; its size is what counts",
+    "sleep_mode_offload_cudagraph": "only while the engine sleeps, when it serves nothing",
+    "data_parallel_size": "owned: spec.replicas",
+    "gpu_memory_utilization": "owned: spec.memory.gpuMemoryUtilization",
+    "kv_cache_memory_bytes": "owned: spec.memory.kvCacheMemoryBytes",
+    "pipeline_parallel_size": "owned: spec.pipelineParallelSize",
+    "tensor_parallel_size": "owned: spec.tensorParallelSize",
+}
+
+# The executors a pod can run: vLLM's default multiprocessing one, or none for one GPU.
+EXECUTORS = ("mp", "uni")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option as the argv sets it: where, how it was written, and its last value."""
+
+    at: int
+    key: str
+    value: str | None  # None: a switch (or a flag with no value)
+    on: bool  # False for a switch's negative spelling
+
+
+def settings(words: Sequence[tuple[int, Word]]) -> dict[str, Setting]:
+    """dest -> the last setting of it in the argv (argparse keeps the last)."""
+    out: dict[str, Setting] = {}
+    for i, w in words:
+        o = w.option
+        if o is None or w.dotted:
+            continue
+        value = w.values[-1] if w.values else w.attached
+        out[o.dest] = Setting(i, w.key, value, not w.turns_off)
+    return out
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
+
+
+def _turned_on(s: Setting) -> bool:
+    """Whether the setting asks for something: a switch on, a value other than off/empty."""
+    if not s.on:
+        return False
+    if s.value is None:
+        return True
+    return s.value.strip().lower() not in ("", "none", "0", "0.0", "false")
+
+
+def _rules(found: Mapping[str, Setting], tp: int, pp: int) -> list[str]:
+    """What vLLM checks before it loads anything (its serve-args validation and ParallelConfig)."""
+    problems: list[str] = []
+    s = found.get("api_server_count")
+    if s is not None and (_int(s.value) or 0) < 1:
+        problems.append(f"[{s.at}] {s.key} {s.value} starts no API server: {_NO_HTTP}")
+    s = found.get("prefill_context_parallel_size")
+    if s is not None and (_int(s.value) or 1) > 1:
+        problems.append(f"[{s.at}] {s.key} {s.value} {REFUSED['prefill_context_parallel_size']}")
+    s = found.get("decode_context_parallel_size")
+    dcp = _int(s.value) if s is not None else None
+    if s is not None and dcp is not None and (dcp < 1 or tp % dcp):
+        problems.append(
+            f"[{s.at}] {s.key} {s.value} must divide spec.tensorParallelSize ({tp}): vLLM's decode context "
+            "parallel groups are made of tensor-parallel ranks"
+        )
+    s = found.get("distributed_executor_backend")
+    if s is not None and s.value not in (None, "", "None"):
+        if s.value == "ray":
+            problems.append(f"[{s.at}] {s.key} ray is refused: {_RAY}")
+        elif s.value == "external_launcher":
+            problems.append(
+                f"[{s.at}] {s.key} external_launcher is refused: every rank would have to be started by a "
+                "launcher such as torchrun, and the pod starts vLLM once"
+            )
+        elif s.value not in EXECUTORS:
+            problems.append(f"[{s.at}] {s.key} must be one of {', '.join(EXECUTORS)}; got {s.value!r}")
+        elif s.value == "uni" and tp * pp > 1:
+            problems.append(
+                f"[{s.at}] {s.key} uni runs one process and cannot drive {tp * pp} GPUs; "
+                "use mp or leave it out"
+            )
+    for dest, needs in (
+        ("enable_auto_tool_choice", "tool_call_parser"),
+        ("enable_log_outputs", "enable_log_requests"),
+        ("numa_bind_nodes", "numa_bind"),
+        ("numa_bind_cpus", "numa_bind"),
+    ):
+        s = found.get(dest)
+        need = found.get(needs)
+        if s is not None and _turned_on(s) and (need is None or not _turned_on(need)):
+            flag = "--" + needs.replace("_", "-")
+            problems.append(f"[{s.at}] {s.key} needs {flag} (vLLM refuses to start without it)")
+    s = found.get("enable_per_request_metrics")
+    off = found.get("disable_log_stats")
+    if s is not None and _turned_on(s) and off is not None and off.on:
+        problems.append(f"[{s.at}] {s.key} needs engine statistics: remove {off.key} (vLLM refuses both)")
+    s = found.get("sse_keep_alive_interval")
+    if s is not None and (_int(s.value) or 0) < 0:
+        problems.append(f"[{s.at}] {s.key} must be 0 (off) or a positive number of seconds")
+    return problems
+
+
+def check_surface(extra_args: Sequence[str], cli: VllmCli, tp: int, pp: int) -> list[str]:
+    """One sentence per extraArgs item a rankguard pod cannot run with (beyond the reader's own
+    problems and the owned flags, core/engine/owned_flags), each naming the item."""
+    words, _ = cli.walk(extra_args)
+    found = settings(words)
+    problems = [
+        f"[{s.at}] {s.key} is refused: {REFUSED[dest]}"
+        for dest, s in found.items()
+        if dest in REFUSED and dest != "prefill_context_parallel_size" and _refuses(dest, s)
+    ]
+    problems += _rules(found, tp, pp)
+    return [f"spec.engine.extraArgs{p}" for p in sorted(problems, key=_position)]
+
+
+def _refuses(dest: str, s: Setting) -> bool:
+    if dest == HELP:
+        return True
+    if dest in ("nnodes",):
+        return (_int(s.value) or 1) > 1
+    if dest == "node_rank":
+        return (_int(s.value) or 0) > 0
+    return _turned_on(s)
+
+
+def _position(problem: str) -> int:
+    return int(problem[1 : problem.index("]")])
+
+
+def measure_first_reasons(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
+    """What the extraArgs turn on that the planner does not model, in order, once each."""
+    words, _ = cli.walk(extra_args)
+    found = settings(words)
+    reasons = []
+    for dest, s in sorted(found.items(), key=lambda kv: kv[1].at):
+        if dest in MEASURE_FIRST and _turned_on(s):
+            if dest == "decode_context_parallel_size" and (_int(s.value) or 1) <= 1:
+                continue
+            reasons.append(MEASURE_FIRST[dest])
+    return list(dict.fromkeys(reasons))
+
+
+def host_memory_bytes(extra_args: Sequence[str], cli: VllmCli, gpus: int) -> tuple[int, list[str]]:
+    """The host memory the extraArgs ask vLLM to hold, and the items that ask for it."""
+    words, _ = cli.walk(extra_args)
+    found = settings(words)
+    total = 0
+    parts = []
+    for dest, (what, per_gpu) in HOST_MEMORY.items():
+        s = found.get(dest)
+        gib = _float(s.value) if s is not None else None
+        if s is None or gib is None or gib <= 0:
+            continue
+        nbytes = int(gib * GIB) * (gpus if per_gpu else 1)
+        total += nbytes
+        parts.append(f"{s.key} {s.value} ({what}: {format_bytes(nbytes)})")
+    return total, parts
+
+
+def check_host_memory(
+    extra_args: Sequence[str], cli: VllmCli, gpus: int, memory_limit_bytes: int | None
+) -> list[str]:
+    """Refuse extraArgs that ask for more host memory than the pod's limit allows."""
+    total, parts = host_memory_bytes(extra_args, cli, gpus)
+    if memory_limit_bytes is None or total <= memory_limit_bytes:
+        return []
+    return [
+        f"spec.engine.extraArgs ask vLLM to hold {format_bytes(total)} of host memory ({'; '.join(parts)}), "
+        "more than the pod's memory limit spec.resources.limits.memory "
+        f"({format_bytes(memory_limit_bytes)}): "
+        "the container would be OOMKilled; raise the limit or lower the sizes"
+    ]
+
+
+def block_size_problem(
+    surface: Mapping[str, object], block_size: int, version: str, allowed: Sequence[int] = ()
+) -> str | None:
+    """Why vLLM cannot start with `--block-size N` on a CUDA GPU (None: some attention backend
+    it picks from takes N). The snapshot records, for each backend of vLLM's CUDA priority
+    list, the block sizes its own `supports_block_size` accepts; the message offers those of
+    them in `allowed` (the CRD's enum) when given."""
+    backends = surface.get("attention_block_sizes")
+    if not isinstance(backends, Mapping) or not backends:
+        return None
+    if any(block_size in sizes for sizes in backends.values() if isinstance(sizes, list)):
+        return None
+    usable = sorted({s for sizes in backends.values() if isinstance(sizes, list) for s in sizes})
+    usable = [s for s in usable if s in allowed] if allowed else usable
+    return (
+        f"spec.engine.blockSize {block_size} is supported by no CUDA attention backend of vLLM {version} "
+        f"({', '.join(sorted(backends))}): they take {', '.join(map(str, usable))} tokens; use one of "
+        "those, or leave blockSize unset and vLLM picks the backend's own"
+    )
