@@ -227,6 +227,9 @@ def test_measure_first_and_host_memory_options() -> None:
     assert "expert parallelism" in reason(["-ep"])
     assert "host memory" in reason(["--cpu-offload-gb", "4"])
     assert reason(["--no-enable-expert-parallel"]) == ""
+    # a dotted piece sets its JSON option as the whole object does
+    assert "speculative decoding" in reason(["--speculative-config.method", "ngram"])
+    assert "KV connector" in reason(["--kv-transfer-config.kv_connector=LMCacheConnectorV1"])
     doc = spec_doc(["--cpu-offload-gb", "16"])
     doc["resources"] = {"limits": {"memory": "24Gi"}}
     with pytest.raises(SpecError, match=r"32Gi of host memory .*--cpu-offload-gb 16.*24Gi"):

@@ -106,6 +106,14 @@ MEASURE_FIRST: dict[str, str] = {
         "decode context parallelism splits each request's KV cache across ranks; the KV model does "
         "not count it"
     ),
+    # what the model is, as the planner reads it from config.json, changed on the command line
+    "quantization_config": "online quantisation (--quantization-config) changes the weights' size per layer",
+    "hf_overrides": "--hf-overrides changes the model's config.json as vLLM reads it",
+    "hf_config_path": "--hf-config-path points vLLM at another config.json than the model's",
+    "kv_cache_dtype_skip_layers": "layers that keep a 16-bit KV cache under a quantised one are not modelled",
+    "disable_sliding_window": "sliding-window layers that keep the whole context are not modelled",
+    "mamba_cache_dtype": "another dtype for the Mamba state cache is not modelled",
+    "mamba_ssm_cache_dtype": "another dtype for the Mamba state cache is not modelled",
 }
 
 # dest -> host memory in bytes for one value (and whether the figure is per GPU)
@@ -150,11 +158,12 @@ class Setting:
 
 
 def settings(words: Sequence[tuple[int, Word]]) -> dict[str, Setting]:
-    """dest -> the last setting of it in the argv (argparse keeps the last)."""
+    """dest -> the last setting of it in the argv (argparse keeps the last). A dotted piece of a
+    JSON option (`--speculative-config.method ngram`) sets that option like the whole object."""
     out: dict[str, Setting] = {}
     for i, w in words:
         o = w.option
-        if o is None or w.dotted:
+        if o is None:
             continue
         value = w.values[-1] if w.values else w.attached
         out[o.dest] = Setting(i, w.key, value, not w.turns_off)
@@ -181,7 +190,7 @@ def _turned_on(s: Setting) -> bool:
         return False
     if s.value is None:
         return True
-    return s.value.strip().lower() not in ("", "none", "0", "0.0", "false")
+    return s.value.strip().lower() not in ("", "none", "0", "0.0", "false", "auto")
 
 
 def _rules(found: Mapping[str, Setting], tp: int, pp: int) -> list[str]:
