@@ -76,6 +76,8 @@ def test_unknown_gpu_size_renders_half_the_card_not_vllms_default() -> None:
     )
     assert prior_plan(spec) is None
     assert startup_utilization(None, 8 * GiB) == NO_PLAN_STARTUP_UTILIZATION < VLLM_DEFAULT_UTILIZATION
+    # weights held outside the process need total x util above them: without a total, vLLM's own
+    assert startup_utilization(None, 8 * GiB, external_weight_bytes=30 * GiB) == VLLM_DEFAULT_UTILIZATION
     args = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 * GiB), None)
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(8 * GiB)

@@ -278,7 +278,9 @@ def startup_utilization(
     request_memory), so the free-memory cap moves up by them and the utilisation is kept above
     them (plus the safety margin), even above vLLM's default."""
     if plan is None:
-        return NO_PLAN_STARTUP_UTILIZATION
+        # weights held outside must stay under total x util: with no total to size it from, vLLM's
+        # own default leaves them the most room that the free-memory check allows
+        return VLLM_DEFAULT_UTILIZATION if external_weight_bytes else NO_PLAN_STARTUP_UTILIZATION
     needed = max((r.runtime_non_kv_bytes + kv_cache_memory_bytes) / r.total_bytes for r in plan.ranks)
     if needed <= 0:
         return None
