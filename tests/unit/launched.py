@@ -54,11 +54,20 @@ async def report_when(port: int, ready: Callable[[Report], bool], timeout: float
             await asyncio.sleep(0.05)  # the poll interval of a bounded wait, not a synchronisation
 
 
-async def stop(proc: asyncio.subprocess.Process) -> None:
-    """Kill the launcher if the test left it running (the finally of every test that starts one)."""
+async def stop(proc: asyncio.subprocess.Process, grace: float = 30) -> None:
+    """Stop the launcher if the test left it running (the finally of every test that starts one).
+
+    SIGTERM first, as the kubelet does: the launcher passes it to the engine, which runs in a
+    session of its own, and waits for it. A SIGKILL alone left that engine running after the
+    test (an orphan the next tests on a 2-core CI machine compete with). SIGKILL only when the
+    launcher has not exited within `grace` seconds, an upper bound on a wait for its exit."""
     if proc.returncode is None:
-        proc.kill()
-        await proc.wait()
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 def launcher_cmd(tlog: Path | str, child: list[str], *extra: str) -> list[str]:
