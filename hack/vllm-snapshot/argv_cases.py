@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from snapshot import _type_name as _type_doc  # this folder: the one reading of a type callable
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 MODEL = "org/model"
@@ -73,12 +75,12 @@ def _primary(action: Any) -> str:
 
 
 def _type_name(t: Any) -> str:
-    name = getattr(t, "__name__", type(t).__name__)
-    if hasattr(t, "__code__") and name in ("_optional_type", "_parse_type"):
-        cells = dict(zip(t.__code__.co_freevars, t.__closure__ or (), strict=True))
-        if "return_type" in cells:
-            return _type_name(cells["return_type"].cell_contents)
-    return name
+    """The value's type as cli.json records it (snapshot.py's reading of the callable), optional
+    unwrapped: int, float, json, human_readable_int, ..., parse_dataclass for a JSON option."""
+    doc = _type_doc(t)
+    if doc["name"] == "optional":
+        doc = doc["of"]
+    return "parse_dataclass" if doc.get("callable") == "parse_dataclass" else str(doc["name"])
 
 
 def good_value(action: Any) -> list[str]:
@@ -91,7 +93,7 @@ def good_value(action: Any) -> list[str]:
     t = _type_name(action.type)
     if t == "parse_dataclass":
         return ["{}"]
-    if t == "loads":
+    if t == "json":
         return [json.dumps(d)] if isinstance(d, (dict, list)) else ["{}"]
     if t in ("int", "human_readable_int"):
         return [str(d)] if isinstance(d, int) and not isinstance(d, bool) and d > 0 else ["1"]
@@ -111,7 +113,7 @@ def bad_values(action: Any) -> list[list[str]]:
         return []
     t = _type_name(action.type)
     out: list[list[str]] = []
-    if t in ("int", "float", "human_readable_int", "human_readable_int_or_auto", "loads", "parse_dataclass"):
+    if t in ("int", "float", "human_readable_int", "human_readable_int_or_auto", "json", "parse_dataclass"):
         out.append(["not-a-value"])
     if action.choices:
         strs = [c for c in action.choices if isinstance(c, str)]

@@ -280,27 +280,22 @@ def recognise_oom(line: str) -> CudaOom | None:
         and _CUBLAS_ALLOC not in line
     ):
         return None
-    external = _STARTUP_EXTERNAL.search(line)
-    if external is not None:
+    # vLLM's start-up refusals share one shape: (first/total GiB) ... (utilisation, requested GiB);
+    # the first figure is the weights held outside, or the free memory
+    for pattern, external in ((_STARTUP_EXTERNAL, True), (_STARTUP_FREE, False)):
+        startup = pattern.search(line)
+        if startup is None:
+            continue
         dev = _DEVICE_INDEX.search(line)
-        return CudaOom(
-            text=line.strip(),
-            gpu_index=int(dev.group(1)) if dev else None,
-            requested_bytes=round(parse_number(external.group(4)) * GIB),
-            total_bytes=round(parse_number(external.group(2)) * GIB),
-            startup_check=True,
-            external_weight_bytes=round(parse_number(external.group(1)) * GIB),
-        )
-    startup = _STARTUP_FREE.search(line)
-    if startup is not None:
-        dev = _DEVICE_INDEX.search(line)
+        first = round(parse_number(startup.group(1)) * GIB)
         return CudaOom(
             text=line.strip(),
             gpu_index=int(dev.group(1)) if dev else None,
             requested_bytes=round(parse_number(startup.group(4)) * GIB),
             total_bytes=round(parse_number(startup.group(2)) * GIB),
-            free_bytes=round(parse_number(startup.group(1)) * GIB),
+            free_bytes=None if external else first,
             startup_check=True,
+            external_weight_bytes=first if external else None,
         )
     if _OOM_MARK.search(line) is None:
         return None

@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 from collections.abc import Callable, Mapping
+from functools import cache
 from typing import Any
 
 import jsonschema
@@ -93,29 +94,37 @@ def _expand_human_numbers(val: str) -> str:
     return "".join(parts)
 
 
-def _dataclass_type(dest: str) -> Converter:
-    """vLLM's `parse_dataclass` for one option: the JSON must validate into the option's pydantic
-    dataclass, here its recorded JSON schema (surface.json) checked by jsonschema, made as lax
-    as pydantic's JSON mode about numbers."""
-    # pydantic's lax mode takes "3" for an integer (`-cc.cudagraph_capture_sizes+ 1,2` is a list
-    # of strings to vLLM's parser, and it starts)
-    numeric = re.compile(r"^-?\d+(\.\d+)?$")
+_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
+@cache
+def _lax_validator() -> Any:
+    """Draft 2020-12 with pydantic's lax JSON numbers: "3" is an integer (`-cc.cudagraph_capture_sizes+
+    1,2` is a list of strings to vLLM's parser, and it starts). One class for every option."""
     checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
         {
             "integer": lambda c, v: (
                 (isinstance(v, int) and not isinstance(v, bool))
                 or (isinstance(v, float) and v.is_integer())
-                or (isinstance(v, str) and re.fullmatch(r"-?\d+", v) is not None)
+                or (isinstance(v, str) and _INTEGER.fullmatch(v) is not None)
             ),
             "number": lambda c, v: (
                 (isinstance(v, (int, float)) and not isinstance(v, bool))
-                or (isinstance(v, str) and numeric.fullmatch(v) is not None)
+                or (isinstance(v, str) and _NUMBER.fullmatch(v) is not None)
             ),
         }
     )
-    lax = jsonschema.validators.extend(  # type: ignore[no-untyped-call]  # untyped in its stubs
+    return jsonschema.validators.extend(  # type: ignore[no-untyped-call]  # untyped in its stubs
         jsonschema.Draft202012Validator, type_checker=checker
     )
+
+
+def _dataclass_type(dest: str) -> Converter:
+    """vLLM's `parse_dataclass` for one option: the JSON must validate into the option's pydantic
+    dataclass, here its recorded JSON schema (surface.json) checked by jsonschema, made as lax
+    as pydantic's JSON mode about numbers."""
+    lax = _lax_validator()
     entry = snapshot().surface["json_options"][dest]
     schema = entry.get("schema")
     fields = set(entry.get("fields") or ())

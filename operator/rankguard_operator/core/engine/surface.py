@@ -25,9 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rankguard_operator.core.engine.vllm_cli import HELP, VllmCli, Word
-from rankguard_operator.core.units import format_bytes
-
-GIB = 1 << 30
+from rankguard_operator.core.units import GiB, format_bytes
 
 _NO_HTTP = "nothing would answer HTTP on the port the Service, the probes and the agent use"
 _DP = (
@@ -298,7 +296,7 @@ def host_memory_bytes(extra_args: Sequence[str], cli: VllmCli, gpus: int) -> tup
         gib = _float(s.value) if s is not None else None
         if s is None or gib is None or gib <= 0:
             continue
-        nbytes = int(gib * GIB) * (gpus if per_gpu else 1)
+        nbytes = int(gib * GiB) * (gpus if per_gpu else 1)
         total += nbytes
         parts.append(f"{s.key} {s.value} ({what}: {format_bytes(nbytes)})")
     return total, parts

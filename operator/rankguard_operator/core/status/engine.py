@@ -51,7 +51,7 @@ def engine_view(
     reported = observation.engine_version if observation is not None else None
     tagged = image_version(spec.image)
     version, source = (reported, "agent") if reported else (tagged, "image") if tagged else (None, "unknown")
-    kept_rows, kept_free = state.kept_engine(key)
+    kept_rows, kept_free, kept_external = state.kept_engine(key)
     rows: dict[int, Mapping[str, Any]] = {int(r["rank"]): r for r in kept_rows}
     fresh = observation.fresh_ranks if observation is not None else ()
     for r in fresh:
@@ -75,7 +75,6 @@ def engine_view(
     external = [
         t.external_weight_bytes for t in terminations if t.startup_refusal and t.external_weight_bytes
     ]
-    kept_external = state.kept_external_weights(key)
     if kept_external is not None:
         external.append(kept_external)
     return EngineView(

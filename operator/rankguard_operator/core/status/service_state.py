@@ -90,23 +90,20 @@ class ServiceState:
     engine_budget_key: str | None = None
     startup_free_bytes: int | None = None
     # the most weight bytes another process held on one GPU when vLLM refused to start for them
-    # ("Externally held weights on device ..."), same budget key; read through `kept_external_weights`
+    # ("Externally held weights on device ..."), same budget key; read through `kept_engine`
     external_weight_bytes: int | None = None
     service_applied: bool = False
     observed_generation: int | None = None
     learned_model: LearnedModel | None = None  # status.model: what an agent read from the pod
     raw: Mapping[str, Any] = field(default_factory=dict)
 
-    def kept_engine(self, key: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
-        """(status.engine's per-rank rows, its start-up free memory) when they were measured
-        under budget key `key`; nothing once the spec's budget inputs have changed."""
+    def kept_engine(self, key: str) -> tuple[tuple[Mapping[str, Any], ...], int | None, int | None]:
+        """(status.engine's per-rank rows, its start-up free memory, the weights another process
+        held) when they were measured under budget key `key`; nothing once the spec's budget
+        inputs have changed."""
         if self.engine_budget_key != key:
-            return (), None
-        return self.engine_rows, self.startup_free_bytes
-
-    def kept_external_weights(self, key: str) -> int | None:
-        """status.engine's externally held weight bytes when measured under budget key `key`."""
-        return self.external_weight_bytes if self.engine_budget_key == key else None
+            return (), None, None
+        return self.engine_rows, self.startup_free_bytes, self.external_weight_bytes
 
     @property
     def engine_non_kv(self) -> dict[int, int]:

@@ -118,8 +118,7 @@ class _Pass:
         self.stored: dict[str, Any] = dict(state.raw)
         # what the last pass rendered with; this pass's engine view may lower it
         self.key = budget_key(spec)
-        self.startup_free = state.kept_engine(self.key)[1]
-        self.external_weights = state.kept_external_weights(self.key)
+        _, self.startup_free, self.external_weights = state.kept_engine(self.key)
         self.node_gpu = node_gpu
 
     def gpu(self, learned: int | None) -> int | None:
