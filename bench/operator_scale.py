@@ -148,10 +148,15 @@ def sandbox(operator_env: dict[str, str], keep: bool) -> Iterator[Sandbox]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def service_doc(template: dict[str, Any], name: str, tp: int, agent_port: int | None) -> dict[str, Any]:
+def service_doc(
+    template: dict[str, Any], name: str, tp: int, agent_port: int | None, *, multi_node: bool = False
+) -> dict[str, Any]:
     doc = copy.deepcopy(template)
     doc["metadata"] = {"name": name}
     doc["spec"]["tensorParallelSize"] = tp
+    if multi_node:  # TP×PP 2 over two pods: two StatefulSets and a headless Service more
+        doc["spec"]["pipelineParallelSize"] = 2
+        doc["spec"]["distributed"] = {"podsPerGroup": 2}
     if agent_port is not None:  # the cohort's fake agents listen on a port free on this machine
         doc["spec"].setdefault("agent", {})["port"] = agent_port
     return doc
@@ -322,7 +327,12 @@ def run_one(n: int, args: argparse.Namespace, operator_env: dict[str, str]) -> S
     ips = cohort_ips(res.report_cohort)
     port = free_port_on(ips) if ips else None
     names = [f"svc-{i:04d}" for i in range(n)]
-    docs = [service_doc(template, nm, args.tp, port if i < len(ips) else None) for i, nm in enumerate(names)]
+    # the multi-node share comes last, so the report cohort (the first services) stays single-pod
+    first_multi = n - round(n * args.multi_node)
+    docs = [
+        service_doc(template, nm, args.tp, port if i < len(ips) else None, multi_node=i >= first_multi)
+        for i, nm in enumerate(names)
+    ]
     with sandbox(operator_env, args.keep) as box:
         sw = ServiceWatch(box.api, BENCH_NS)
         sw.start()
@@ -360,6 +370,12 @@ def main() -> int:
     ap.add_argument("--quiet", type=float, default=30.0, help="then until no LLMService changed this long")
     ap.add_argument("--settle-max", type=float, default=300.0, help="but at most this long after the status")
     ap.add_argument("--tp", type=int, default=8, help="tensorParallelSize of every LLMService")
+    ap.add_argument(
+        "--multi-node",
+        type=float,
+        default=0.0,
+        help="share of the LLMServices served over two pods (spec.distributed, PP 2), 0 to 1",
+    )
     ap.add_argument("--changes", type=int, default=20, help="spec edits timed to status, per N")
     ap.add_argument("--change-every", type=float, default=1.0, help="seconds between two timed changes")
     ap.add_argument(
@@ -398,7 +414,9 @@ def main() -> int:
             break
     if results:
         print(
-            f"operator at scale: TP{args.tp} LLMServices, pods Pending (no GPU node); "
+            f"operator at scale: TP{args.tp} LLMServices"
+            + (f", {args.multi_node:.0%} of them over 2 pods (PP 2)" if args.multi_node else "")
+            + ", pods Pending (no GPU node); "
             f"window {args.window:g} s; operator env {env_summary(operator_env)}; "
             f"python {platform.python_version()}, {os.cpu_count()} CPUs"
         )

@@ -34,7 +34,7 @@ from rankguard_agent.wire.report import (
 )
 from rankguard_agent.wire.termination import TerminationMessage
 from rankguard_operator.core.names import VLLM_CONTAINER
-from rankguard_operator.core.render.deployment import served_argv
+from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.units import iso
 from rankguard_sim.fake_vllm.args import engine_config_from_argv
 from rankguard_sim.fake_vllm.console import failure_lines
@@ -49,6 +49,9 @@ from rankguard_sim.physics.scenario_data import Scenario
 # crashes until stable" and "KV kept" say nothing about it (the e2e test covers its fix).
 GPU_SCENARIOS = ("llama3-70b-tp4", "llama3-70b-tp8-nvls", "tp2-pp2", "llama3-8b-tp2-24gb")
 SKIPPED = {
+    "llama3-70b-tp8-pp2-2nodes": (
+        "a multi-node group (vLLM --nnodes over two pods); the strategy bench runs one pod per replica"
+    ),
     "host-oomkilled": (
         "its failure is a host-memory OOMKill at the container limit, not GPU memory: no GPU ever "
         "runs out, so the three KV strategies do not differ in crashes (rankguard's fix there is "

@@ -12,6 +12,11 @@ The engine never sees the agent bundle: its folder is taken off the child's PYTH
 (`engine_env`), so the bundle's pynvml cannot shadow the image's own. `engine_started`
 tells the bundle's entry (`rankguard-agent`) whether a failure came before the engine
 existed, when it can still run the engine without the agent.
+
+On a pod of a vLLM multi-node group (`--nnodes N --node-rank R` in the engine's argv, read by
+`wire.group.read_group`) every rank the agent reports, probes or names in its termination
+message is vLLM's GLOBAL rank; nothing in it needs vLLM's HTTP server, which a `--headless`
+pod does not run.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from pathlib import Path
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
 from rankguard_agent.model_files import ModelFiles
 from rankguard_agent.model_watch import ModelWatch
-from rankguard_agent.probe import ProbeConfig, run_probe
+from rankguard_agent.probe import ProbeConfig, probe_pod
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
 from rankguard_agent.streams import LineScanner, Output, pump
-from rankguard_agent.verdict import termination_message
+from rankguard_agent.verdict import termination_message, with_place
+from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace, read_group
 from rankguard_agent.wire.recognisers import (
     KV_TOO_SMALL,
     MODEL_LOADING,
@@ -51,7 +57,7 @@ from rankguard_agent.wire.recognisers import (
     WorkerMemoryReport,
     recognise_all,
 )
-from rankguard_agent.wire.report import EngineMemory, ProbeResult
+from rankguard_agent.wire.report import EngineMemory
 from rankguard_agent.wire.termination import SIGNALED, TerminationMessage
 from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
 
@@ -144,6 +150,8 @@ class Observer:
         self.state = state
         self.ranks = ranks if ranks is not None else WorkerRanks(ParallelSizes(), 0)
         self.cause: CudaOom | KVTooSmall | None = None
+        # the global rank the cause's own line named (multi-node; one node reads the device index)
+        self.cause_rank: int | None = None
         self.last_kv: KVObservation | None = None
         self._warned: set[str] = set()
         # The last few lines that look like errors: when no memory cause is recognised, they
@@ -178,10 +186,11 @@ class Observer:
             return
         if isinstance(found, WorkerMemoryReport | CudaGraphPool | InitialFree):
             rank = self.ranks.rank_of(line)
-            if rank is None:
+            local = None if rank is None else self.ranks.place.local_rank(rank)
+            if local is None:
                 self._unparsed(_UNATTRIBUTED, found.text)
             elif self.state is not None:
-                self.state.record_engine_memory(rank, _engine_memory(found))
+                self.state.record_engine_memory(local, _engine_memory(found))
             return
         if isinstance(found, KVObservation):
             self.last_kv = found
@@ -198,11 +207,30 @@ class Observer:
             and self.cause.requested_bytes is None
             and found.requested_bytes is not None
         ):
+            self.cause_rank = self._cause_rank(found, line)
             self.cause = found
             if isinstance(found, CudaOom):
-                log.warning("engine ran out of GPU memory on GPU %s: %.200s", found.gpu_index, found.text)
+                log.warning(
+                    "engine ran out of GPU memory on GPU %s (rank %s): %.200s",
+                    found.gpu_index,
+                    "unknown" if self.cause_rank is None else self.cause_rank,
+                    found.text,
+                )
             else:
                 log.warning("engine's KV cache is too small: %.200s", found.text)
+
+    def _cause_rank(self, found: CudaOom | KVTooSmall, line: str) -> int | None:
+        if not isinstance(found, CudaOom):
+            return None
+        rank = self.ranks.rank_of_oom(line, found.gpu_index)
+        before, earlier = self.cause_rank, self.cause
+        if rank is None and before is not None and isinstance(earlier, CudaOom):
+            # A message with figures replaces a bare "CUDA error: out of memory" whose worker was
+            # known; it keeps that rank unless it names another device of this pod.
+            local = self.ranks.place.local_rank(before)
+            if found.gpu_index is None or found.gpu_index == local:
+                return before
+        return rank
 
 
 async def _exit_of(child: asyncio.subprocess.Process, poll: float = 0.1) -> int:
@@ -228,23 +256,6 @@ def write_termination_log(path: str, message: TerminationMessage) -> bool:
     return True
 
 
-async def _run_probe(
-    cfg: ProbeConfig, n_ranks: int, env: Mapping[str, str], cancel: threading.Event
-) -> ProbeResult:
-    if cfg.world_size == 0:
-        if n_ranks == 0:
-            return ProbeResult(ok=False, backend="none", world_size=0, error="no GPUs visible to probe")
-        cfg = dataclasses.replace(cfg, world_size=n_ranks)
-    log.info("probing %d rank(s)", cfg.world_size)
-    loop = asyncio.get_running_loop()
-    result = await loop.run_in_executor(None, run_probe, cfg, env, cancel)
-    if result.ok:
-        log.info("probe ok in %.1fs: %s", result.duration_seconds, [r.comm_bytes for r in result.ranks])
-    else:
-        log.error("probe failed: %s", result.error)
-    return result
-
-
 class Launcher:
     def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
@@ -255,6 +266,7 @@ class Launcher:
         self.runtime: AgentRuntime | None = None
         self.observer = Observer()
         self.cut_warned = False
+        self.place = SINGLE_NODE
 
     def _on_cut(self, stream: str, cap: int) -> None:
         if not self.cut_warned:
@@ -289,20 +301,25 @@ class Launcher:
                 continue  # not the main thread (tests): signals stay with their default
         runtime = self.runtime = AgentRuntime(self.cfg.runtime, self.env)
         runtime.state.engine_version = installed_engine_version()
+        place = self.place = _group_place(self.cfg.command, self.env, runtime.n_ranks())
+        runtime.state.place = place
         self.observer = Observer(
-            runtime.state, WorkerRanks(parallel_sizes(self.cfg.command), runtime.n_ranks())
+            runtime.state, WorkerRanks(parallel_sizes(self.cfg.command), runtime.n_ranks(), place)
         )
         try:
             if self.cfg.probe is not None:
-                runtime.state.probe = await _run_probe(
-                    self.cfg.probe, runtime.n_ranks(), self.env, self.probe_cancel
+                runtime.state.probe = await asyncio.get_running_loop().run_in_executor(
+                    None, probe_pod, self.cfg.probe, runtime.n_ranks(), self.env, self.probe_cancel, place
                 )
             await runtime.start()
             if self.pending_signals:
                 # Told to stop before the engine even started: end as a killed engine would.
                 first = self.pending_signals[0]
-                message = TerminationMessage(
-                    SIGNALED, 128 + first, signal=first, detail="stopped before the engine started"
+                message = with_place(
+                    TerminationMessage(
+                        SIGNALED, 128 + first, signal=first, detail="stopped before the engine started"
+                    ),
+                    place,
                 )
                 write_termination_log(self.cfg.termination_log, message)
                 return 128 + first
@@ -329,7 +346,12 @@ class Launcher:
             code = 127 if isinstance(e, FileNotFoundError) else 126  # what a shell answers
             log.error("cannot start %s: %s", cmd[0] if cmd else "(nothing)", e)
             message = termination_message(
-                code, None, None, runtime.n_ranks(), launch_error=f"cannot start {cmd[:1]}: {e}"
+                code,
+                None,
+                None,
+                runtime.n_ranks(),
+                launch_error=f"cannot start {cmd[:1]}: {e}",
+                place=self.place,
             )
             write_termination_log(self.cfg.termination_log, message)
             return code
@@ -367,10 +389,40 @@ class Launcher:
             self.observer.last_kv,
             runtime.n_ranks(),
             last_error=self.observer.last_error,
+            place=self.place,
+            cause_rank=self.observer.cause_rank,
         )
         log.info("engine exited with %d: %s", message.exit_code, message.reason)
         write_termination_log(self.cfg.termination_log, message)
         return message.exit_code
+
+
+def _group_place(command: list[str], env: Mapping[str, str], n_ranks: int) -> GroupPlace:
+    """The pod's place in its vLLM group, read from the engine's argv; said in one log line."""
+    place, problem = read_group(command, env)
+    if problem is not None and not place.multi_node:
+        log.warning("reporting ranks as a single node: %s", problem)
+    elif problem is not None:
+        log.warning("%s", problem)
+    if place.multi_node:
+        log.info(
+            "node %d of %d in a vLLM group of TP %d x PP %d%s: local ranks 0..%d are global ranks %d..%d",
+            place.node_rank,
+            place.nnodes,
+            place.tp,
+            place.pp,
+            f" x PCP {place.pcp}" if place.pcp > 1 else "",
+            place.local_world - 1,
+            place.global_rank(0),
+            place.global_rank(place.local_world - 1),
+        )
+        if n_ranks not in (0, place.local_world):
+            log.warning(
+                "the agent sees %d GPU(s) but vLLM runs %d rank(s) on each pod of the group",
+                n_ranks,
+                place.local_world,
+            )
+    return place
 
 
 async def launch(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:

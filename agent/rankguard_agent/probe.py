@@ -13,6 +13,10 @@ short grace, so the probe cannot hang. An overall deadline bounds everything els
 Each rank holds its GPU backend's `communicator_init` around init and warm-up: nothing on
 real GPUs (NCCL allocates by itself), the world's communicator cost on simulated ones,
 which is why a CPU (gloo) probe needs a simulated backend to measure anything.
+
+The probe runs over the pod's own GPUs (local ranks 0..world_size-1, its own group). On a pod of
+a vLLM multi-node group (`place`) its results name each rank by vLLM's global rank, with the
+local one beside it.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rankguard_agent.gpu import GpuBackend, GpuUnavailable, open_backend, release_communicators
-from rankguard_agent.wire.report import MAX_RANKS, ProbeRank, ProbeResult
+from rankguard_agent.wire.group import MAX_RANKS, SINGLE_NODE, GroupPlace
+from rankguard_agent.wire.report import ProbeRank, ProbeResult
 
 log = logging.getLogger("rankguard_agent.probe")
 
@@ -132,11 +137,15 @@ def _tail(path: Path) -> str:
 
 
 def run_probe(
-    cfg: ProbeConfig, env: Mapping[str, str] | None = None, cancel: threading.Event | None = None
+    cfg: ProbeConfig,
+    env: Mapping[str, str] | None = None,
+    cancel: threading.Event | None = None,
+    place: GroupPlace = SINGLE_NODE,
 ) -> ProbeResult:
     """Run the probe to completion (bounded by cfg.timeout_s, or until `cancel` is set).
 
-    Never raises for rank failures: they are in the result.
+    Never raises for rank failures: they are in the result. `place`: the pod's place in a
+    multi-node group, which names the results' ranks (global) and nothing else.
     """
     if cfg.world_size < 1:
         raise ValueError("run_probe needs world_size >= 1; resolve 0 to the number of GPUs first")
@@ -161,7 +170,7 @@ def run_probe(
                     start_new_session=True,
                 )
             ranks.append(_Rank(r, proc, log_path, workdir / f"rank-{r}.json"))
-        error = _wait(ranks, cfg, started, cancel)
+        error = _wait(ranks, cfg, started, cancel, place)
     finally:
         for rk in ranks:
             _kill(rk.proc)
@@ -173,11 +182,12 @@ def run_probe(
         backend = backend or str(res.get("backend", ""))
         probe_ranks.append(
             ProbeRank(
-                rank=rk.rank,
+                rank=place.global_rank(rk.rank),
                 free_before_bytes=int(res.get("free_before_bytes", 0)),
                 free_after_bytes=int(res.get("free_after_bytes", 0)),
                 comm_bytes=int(res.get("comm_bytes", 0)),
                 error=rk.error,
+                local_rank=rk.rank if place.multi_node else None,
             )
         )
     ok = error is None and all(p.error is None for p in probe_ranks)
@@ -193,6 +203,37 @@ def run_probe(
         error=error,
         duration_seconds=round(time.monotonic() - started, 3),
     )
+
+
+def probe_pod(
+    cfg: ProbeConfig,
+    n_ranks: int,
+    env: Mapping[str, str],
+    cancel: threading.Event,
+    place: GroupPlace = SINGLE_NODE,
+) -> ProbeResult:
+    """The launcher's probe: over the pod's `n_ranks` GPUs when `cfg.world_size` is 0, and in a
+    multi-node group over no more than the ranks vLLM runs on each pod (a GPU beyond them would
+    take another pod's global rank). Logs what it does and what it found."""
+    if cfg.world_size == 0:
+        if n_ranks == 0:
+            return ProbeResult(ok=False, backend="none", world_size=0, error="no GPUs visible to probe")
+        cfg = replace(cfg, world_size=n_ranks)
+    if place.multi_node and cfg.world_size > place.local_world:
+        log.warning(
+            "probing %d rank(s), the pod's share of the group, not %d", place.local_world, cfg.world_size
+        )
+        cfg = replace(cfg, world_size=place.local_world)
+    first, last = place.global_rank(0), place.global_rank(cfg.world_size - 1)
+    log.info(
+        "probing %d rank(s)%s", cfg.world_size, f": global ranks {first}..{last}" if place.multi_node else ""
+    )
+    result = run_probe(cfg, env, cancel, place)
+    if result.ok:
+        log.info("probe ok in %.1fs: %s", result.duration_seconds, [r.comm_bytes for r in result.ranks])
+    else:
+        log.error("probe failed: %s", result.error)
+    return result
 
 
 def _collect(rk: _Rank) -> None:
@@ -221,7 +262,9 @@ def _abandon(rk: _Rank, template: str) -> None:
     rk.error = template.format(stage=stage)
 
 
-def _wait(ranks: list[_Rank], cfg: ProbeConfig, started: float, cancel: threading.Event | None) -> str | None:
+def _wait(
+    ranks: list[_Rank], cfg: ProbeConfig, started: float, cancel: threading.Event | None, place: GroupPlace
+) -> str | None:
     deadline = started + cfg.timeout_s
     first_failure: tuple[float, int] | None = None
     while True:
@@ -238,7 +281,7 @@ def _wait(ranks: list[_Rank], cfg: ProbeConfig, started: float, cancel: threadin
             # The survivors wait for a peer that will never come: stop them now.
             for rk in pending:
                 _kill(rk.proc)
-                _abandon(rk, f"aborted in {{stage}}: rank {first_failure[1]} failed")
+                _abandon(rk, f"aborted in {{stage}}: rank {place.global_rank(first_failure[1])} failed")
             return None
         if cancel is not None and cancel.is_set():
             for rk in pending:

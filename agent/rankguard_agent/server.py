@@ -3,6 +3,10 @@
 /report is `report.Report` as JSON (the contract the operator parses). /metrics is built
 by prometheus_client from a collector over the same snapshot, on its own registry, so the
 exposition always matches the report and no global state is touched.
+
+The sampler counts the pod's GPUs 0..N-1; both endpoints name a rank by vLLM's GLOBAL rank
+(`AgentState.place`: the same numbers on one node). On a pod of a multi-node group a GPU beyond
+the ranks vLLM runs on each pod is no rank of the group and is left out.
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
 from rankguard_agent.sampler import Sampler
-from rankguard_agent.wire.report import MAX_TEXT, REPORT_VERSION, EngineMemory, KVLine, ProbeResult, Report
+from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace
+from rankguard_agent.wire.report import (
+    MAX_TEXT,
+    REPORT_VERSION,
+    EngineMemory,
+    KVLine,
+    ProbeResult,
+    RankSample,
+    Report,
+)
 from rankguard_agent.wire.report_model import ModelReport
 
 log = logging.getLogger("rankguard_agent.server")
@@ -44,18 +57,45 @@ class AgentState:
     kv_lines: dict[str, KVLine] = field(default_factory=dict)  # the last line of each kind
     backend_error: str | None = None  # why there are no readings at all, if so
     engine_version: str | None = None  # the vLLM the launcher started, from its package metadata
-    engine_memory: dict[int, EngineMemory] = field(default_factory=dict)  # by rank
+    engine_memory: dict[int, EngineMemory] = field(default_factory=dict)  # by local rank (GPU index)
     unparsed_lines: dict[str, int] = field(default_factory=dict)  # by kind; see UNPARSED_KINDS
     model: ModelReport | None = None  # the served model's files (model_watch), once read
+    place: GroupPlace = SINGLE_NODE  # the pod's place in a vLLM multi-node group (launch only)
 
-    def record_engine_memory(self, rank: int, seen: EngineMemory) -> None:
-        """Merge what a worker line said into the rank's account: the figures it carries
-        replace the older ones, the others stay (the CUDA graph line carries one figure)."""
-        old = self.engine_memory.get(rank)
+    def record_engine_memory(self, local_rank: int, seen: EngineMemory) -> None:
+        """Merge what a worker line said into the account of the pod's GPU `local_rank`: the
+        figures it carries replace the older ones, the others stay (the CUDA graph line carries
+        one figure)."""
+        old = self.engine_memory.get(local_rank)
         if old is not None:
             said = {k: v for k, v in dataclasses.asdict(seen).items() if v is not None}
             seen = dataclasses.replace(old, **said)
-        self.engine_memory[rank] = seen
+        self.engine_memory[local_rank] = seen
+
+    def global_rank(self, local_rank: int) -> int | None:
+        """The rank /report and /metrics give the pod's GPU `local_rank`; None for a GPU that is
+        no rank of the group (beyond the ranks vLLM runs on each pod)."""
+        place = self.place
+        if place.multi_node and local_rank >= place.local_world:
+            return None
+        return place.global_rank(local_rank)
+
+    def _ranked(self, sample: RankSample) -> RankSample | None:
+        local = sample.rank
+        rank = self.global_rank(local)
+        if rank is None:
+            return None
+        memory = self.engine_memory.get(local)
+        if not self.place.multi_node:
+            return sample if memory is None else dataclasses.replace(sample, engine_memory=memory)
+        return dataclasses.replace(
+            sample,
+            rank=rank,
+            engine_memory=memory,
+            local_rank=local,
+            stage=self.place.stage(rank),
+            tp_rank=self.place.tp_rank(rank),
+        )
 
     def count_unparsed(self, kind: str) -> None:
         self.unparsed_lines[kind] = self.unparsed_lines.get(kind, 0) + 1
@@ -69,12 +109,9 @@ class AgentState:
         return max(self.kv_lines.values(), key=lambda k: k.timestamp, default=None)
 
     def report(self) -> Report:
-        ranks = [
-            s
-            if s.rank not in self.engine_memory
-            else dataclasses.replace(s, engine_memory=self.engine_memory[s.rank])
-            for s in self.sampler.snapshot()
-        ]
+        ranks = [r for r in map(self._ranked, self.sampler.snapshot()) if r is not None]
+        place = self.place
+        group = place.multi_node
         return Report(
             version=REPORT_VERSION,
             agent_version=__version__,
@@ -86,6 +123,11 @@ class AgentState:
             engine_version=self.engine_version,
             unparsed_lines={k: n for k, n in self.unparsed_lines.items() if n},
             model=self.model,
+            nnodes=place.nnodes if group else None,
+            node_rank=place.node_rank if group else None,
+            local_world_size=place.local_world if group else None,
+            tp_size=place.tp if group else None,
+            pp_size=place.pp if group else None,
         )
 
 
@@ -122,7 +164,10 @@ class AgentCollector(Collector):
         up = gauge("rankguard_gpu_up", "1 if the last reading of the rank's GPU succeeded.")
         readings = st.sampler.readings()
         for sample in st.sampler.snapshot():
-            lv = [str(sample.rank), sample.uuid, *extra_values]
+            rank = st.global_rank(sample.rank)
+            if rank is None:
+                continue
+            lv = [str(rank), sample.uuid, *extra_values]
             total.add_metric(lv, sample.total_bytes)
             used.add_metric(lv, sample.used_bytes)
             free.add_metric(lv, sample.free_bytes)

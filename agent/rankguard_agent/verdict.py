@@ -2,12 +2,18 @@
 
 A memory cause seen in the output wins over how the process ended (vLLM often dies by a
 signal from its own shutdown after a worker's OOM); a clean exit is a clean exit.
+
+On one node the OOM's rank is the device PyTorch named. On a pod of a multi-node group it is the
+global rank the launcher read from the failing worker's own line (`cause_rank`, see
+`workers.WorkerRanks.rank_of_oom`), and every message says where the pod sits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
+from rankguard_agent.wire.group import GroupPlace, local_gpu_rank
 from rankguard_agent.wire.recognisers import CudaOom, KVObservation, KVTooSmall
 from rankguard_agent.wire.termination import (
     COMPLETED,
@@ -26,13 +32,7 @@ def exit_code_of(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def rank_of_gpu(gpu_index: int | None, n_ranks: int) -> int | None:
-    """PyTorch's "GPU i" is the engine's local device i, which is rank i of this pod."""
-    if gpu_index is None or gpu_index < 0:
-        return None
-    if n_ranks > 0 and gpu_index >= n_ranks:
-        return None  # the engine saw other devices than the agent did; do not guess
-    return gpu_index
+rank_of_gpu = local_gpu_rank  # PyTorch's "GPU i" is rank i of a single-node pod
 
 
 def _short(text: str) -> str:
@@ -47,6 +47,44 @@ def termination_message(
     *,
     launch_error: str | None = None,
     last_error: str | None = None,
+    place: GroupPlace | None = None,
+    cause_rank: int | None = None,
+) -> TerminationMessage:
+    """The message for an engine that ended with `returncode`. `place`: the pod's place in a
+    multi-node group (None or one node: `rank` is the device PyTorch named, as always);
+    `cause_rank`: in a group, the global rank the cause's own line named (None: unknown)."""
+    if isinstance(cause, CudaOom) and place is not None and place.multi_node:
+        oom_rank = cause_rank
+    else:
+        oom_rank = local_gpu_rank(cause.gpu_index if isinstance(cause, CudaOom) else None, n_ranks)
+    message = _message(returncode, cause, last_kv, oom_rank, launch_error=launch_error, last_error=last_error)
+    return message if place is None else with_place(message, place)
+
+
+def with_place(message: TerminationMessage, place: GroupPlace) -> TerminationMessage:
+    """`message` saying where the pod sits in its multi-node group, and where its `rank` (global)
+    sits; unchanged on one node."""
+    if not place.multi_node:
+        return message
+    rank = message.rank
+    return dataclasses.replace(
+        message,
+        node_rank=place.node_rank,
+        nnodes=place.nnodes,
+        local_rank=None if rank is None else place.local_rank(rank),
+        stage=None if rank is None else place.stage(rank),
+        tp_rank=None if rank is None else place.tp_rank(rank),
+    )
+
+
+def _message(
+    returncode: int,
+    cause: CudaOom | KVTooSmall | None,
+    last_kv: KVObservation | None,
+    oom_rank: int | None,
+    *,
+    launch_error: str | None,
+    last_error: str | None,
 ) -> TerminationMessage:
     exit_code = exit_code_of(returncode)
     sig = -returncode if returncode < 0 else None
@@ -61,7 +99,7 @@ def termination_message(
         return TerminationMessage(
             CUDA_OOM,
             exit_code,
-            rank=rank_of_gpu(cause.gpu_index, n_ranks),
+            rank=oom_rank,
             gpu_index=cause.gpu_index,
             requested_bytes=cause.requested_bytes,
             free_bytes=cause.free_bytes,

@@ -12,30 +12,30 @@ that group has size 1; the size of a group that *is* labelled is needed only whe
 label multiplies it, and is read from the `vllm serve` command line (which overrides a
 --config file in vLLM). When it cannot be known (set only in a --config file, say), the line
 is not attributed: a wrong rank is worse than none.
+
+In a multi-node group (vLLM's `--nnodes`, `wire.group.GroupPlace`) the labels are the worker's
+indices in the whole engine, so the rank they name is the GLOBAL one, and a `cuda:N` (or
+PyTorch's "GPU N") is this pod's local device N, global rank node_rank × ranks-per-pod + N.
+There only a worker's own (prefixed) lines are attributed: the leader's engine core repeats a
+remote worker's error ("Worker failed with error '… GPU 1 …'", in its own log lines and again
+unprefixed in the traceback its process prints), and that device index is another pod's.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from rankguard_agent.wire.group import GROUP_FLAGS, SINGLE_NODE, GroupPlace, flag_values, local_gpu_rank
 
 _WORKER = re.compile(r"\((Worker(?:_[A-Z]+\d+)*) pid=\d+\)")
 _LABEL = re.compile(r"_([A-Z]+)(\d+)")
 _ENGINE_CORE = re.compile(r"\(EngineCore(?:_DP\d+)? pid=\d+\)")
 _CUDA_DEVICE = re.compile(r"\bcuda:(\d+)\b")
 
-# `vllm serve` spellings (vllm_snapshots/*/cli.json); argparse lets the last one win.
-_SIZE_FLAGS = {
-    "--tensor-parallel-size": "tp",
-    "-tp": "tp",
-    "--pipeline-parallel-size": "pp",
-    "-pp": "pp",
-    "--prefill-context-parallel-size": "pcp",
-    "-pcp": "pcp",
-    "--data-parallel-size": "dp",
-    "-dp": "dp",
-}
+# The parallel sizes' `vllm serve` spellings (wire/group's table; the last one wins).
+_SIZE_FLAGS = {flag: dest for flag, dest in GROUP_FLAGS.items() if dest in ("tp", "pp", "pcp", "dp")}
 # Outermost first; these are the groups that multiply the rank.
 _DIMENSIONS = ("DP", "PP", "PCP", "TP")
 
@@ -57,14 +57,8 @@ class ParallelSizes:
 def parallel_sizes(argv: Sequence[str]) -> ParallelSizes:
     """The parallel sizes a `vllm serve ...` argv sets (unreadable values are ignored)."""
     found: dict[str, int] = {}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        key = _SIZE_FLAGS.get(flag)
-        if key is None:
-            continue
-        if not eq:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        if value.isdigit() and int(value) > 0:
+    for key, value in flag_values(argv, _SIZE_FLAGS):
+        if value.isascii() and value.isdigit() and int(value) > 0:
             found[key] = int(value)
     return ParallelSizes(**found)
 
@@ -97,12 +91,16 @@ def _rank_from_labels(labels: dict[str, int], sizes: ParallelSizes) -> int | Non
 
 @dataclass(frozen=True)
 class WorkerRanks:
-    """Maps a line to the pod's rank of the worker that printed it."""
+    """Maps a line to the rank of the worker that printed it: the pod's rank on one node, the
+    GLOBAL rank in a multi-node group (`place`; `place.local_rank(rank)` is then the pod's GPU)."""
 
     sizes: ParallelSizes
     n_ranks: int  # ranks the agent sees (0: no GPU readings; then the prefix is trusted)
+    place: GroupPlace = field(default=SINGLE_NODE)
 
     def rank_of(self, line: str) -> int | None:
+        if self.place.multi_node:
+            return self._group_rank(line, None)
         labels = worker_labels(line)
         rank: int | None
         if labels is not None:
@@ -115,4 +113,34 @@ class WorkerRanks:
             rank = None
         if rank is None or (self.n_ranks > 0 and rank >= self.n_ranks):
             return None
+        return rank
+
+    def rank_of_oom(self, line: str, gpu_index: int | None) -> int | None:
+        """The rank that ran out of memory, from the line that said so and the device index it
+        names (PyTorch's "GPU i", vLLM's "cuda:i": the process's local device). On one node that
+        index is the rank (what the launcher did before groups); in a group only a worker's own
+        line names a rank of this pod: its labels, or before vLLM labels it, its device."""
+        if not self.place.multi_node:
+            return local_gpu_rank(gpu_index, self.n_ranks)
+        return self._group_rank(line, gpu_index)
+
+    def _group_rank(self, line: str, gpu_index: int | None) -> int | None:
+        """The global rank of a line on a pod of a multi-node group, or None."""
+        place = self.place
+        labels = worker_labels(line)
+        rank: int | None = None
+        if labels:
+            sizes = ParallelSizes(tp=place.tp, pp=place.pp, pcp=place.pcp)
+            rank = _rank_from_labels(labels, sizes)
+        elif labels is not None:
+            # "(Worker pid=…)": a worker of this pod before vLLM names it (its start-up check runs
+            # then); the device it names is this pod's
+            dev = _CUDA_DEVICE.search(line)
+            local = int(dev.group(1)) if dev is not None else gpu_index
+            rank = None if local is None else place.global_rank(local)
+        if rank is None:
+            return None
+        local = place.local_rank(rank)
+        if local is None or (self.n_ranks > 0 and local >= self.n_ranks):
+            return None  # not a rank of this pod (or of the GPUs the agent sees)
         return rank

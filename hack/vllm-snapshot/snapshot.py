@@ -45,6 +45,30 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     "no_kv_memory": ("vllm", "No available memory for the cache blocks"),
     # not recognised by the agent: the sandbox's fake vLLM prints it when it "downloads" weights
     "weights_download_time": ("vllm", "Time spent downloading weights for"),
+    # not recognised by the agent: vLLM's multi-node (`--nnodes`, mp backend) refusals and lines,
+    # which the sandbox's fake vLLM prints (fake_vllm/rendezvous.py)
+    "nnodes_backend": ("vllm", "requires `--data-parallel-backend mp`; got"),
+    "nnodes_world_size": ("vllm", "must evenly divide the total world size"),
+    "node_rank_range": ("vllm", "`--node-rank` must be between 0 and"),
+    "nnodes_executor_backend": ("vllm", "nnodes > 1 can only be set when distributed executor backend"),
+    "headless_launch": ("vllm", "headless multiproc executor, with head node address"),
+    "dp_group_leader": ("vllm", "DP group leader: node_rank="),
+    "worker_init_failed": ("vllm", "WorkerProc initialization failed due to an exception in a background"),
+    "broadcast_wait": ("vllm", "No available shared memory broadcast block found in"),
+    "rpc_timed_out": ("vllm", "RPC call to {0} timed out."),
+}
+# A file is read when its source holds a key's fragment, or this anchor where the fragment spans
+# adjacent literals (or an f-string's expression) in the source: the fragment itself is matched
+# against the template the literals make.
+PY_MESSAGE_ANCHORS: dict[str, str] = {
+    "nnodes_backend": "`--data-parallel-backend mp`; got ",
+    "nnodes_world_size": "must evenly divide the total ",
+    "node_rank_range": "`--node-rank` must ",
+    "nnodes_executor_backend": "nnodes > 1 can only be set when distributed executor ",
+    "headless_launch": "headless multiproc executor, ",
+    "worker_init_failed": "WorkerProc initialization failed due to an exception in a ",
+    "broadcast_wait": "No available shared memory broadcast block found ",
+    "rpc_timed_out": "RPC call to {method} timed out.",
 }
 # PyTorch's allocator messages are C++ (c10/cuda); they are read from the shared libraries.
 LIB_MESSAGES: dict[str, tuple[str, str]] = {
@@ -54,6 +78,11 @@ LIB_MESSAGES: dict[str, tuple[str, str]] = {
     "torch_oom_private_pools": ("libc10_cuda.so", " allocated in private pools"),
     "torch_oom_outside_allocator": ("libtorch_cuda.so", "CUDA ran out of memory outside PyTorch's allocator"),
     "cublas_alloc_failed": ("libtorch_cuda.so", "CUBLAS_STATUS_ALLOC_FAILED"),
+}
+# torch.distributed's fmt::format templates (C++), recorded whole: `{}` is str.format's too.
+LIB_FORMATS: dict[str, tuple[str, str]] = {
+    "store_clients_timeout": ("libtorch_cpu.so", "seconds waiting for clients. {}/{} clients joined."),
+    "client_connect_timeout": ("libtorch_cpu.so", "while trying to connect to ({}, {})."),
 }
 # The source line that proves the block pool holds one block back (the "null block").
 NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
@@ -200,7 +229,7 @@ def python_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
     root = site / "vllm"
     for path in sorted(root.rglob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
-        if not any(frag in text for _, frag in PY_MESSAGES.values()):
+        if not any(PY_MESSAGE_ANCHORS.get(k, frag) in text for k, (_, frag) in PY_MESSAGES.items()):
             continue
         tree = ast.parse(text)
         # f-string parts are Constants too: skip those, keep the whole JoinedStr
@@ -250,6 +279,20 @@ def library_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
             }
             for h in hits
         ]
+    for key, (lib, frag) in LIB_FORMATS.items():
+        path = site / "torch" / "lib" / lib
+        hits = sorted({s for s in _strings(path.read_bytes()) if frag in s})
+        if len(hits) != 1 or re.search(r"\{[^}]", hits[0]):
+            sys.exit(f"snapshot: {frag!r} is not one plain `{{}}` template in {path}: {hits}")
+        out[key] = [
+            {
+                "file": str(path.relative_to(site)),
+                "line": None,
+                "style": "format",
+                "template": hits[0],
+                "exprs": [],
+            }
+        ]
     return out
 
 
@@ -289,6 +332,7 @@ def download_log_threshold(site: Path) -> dict[str, Any]:
 
 
 def engine_facts(site: Path) -> dict[str, Any]:
+    from torch.distributed.constants import default_pg_nccl_timeout
     from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
 
     rel, evidence = NULL_BLOCK_EVIDENCE
@@ -302,6 +346,12 @@ def engine_facts(site: Path) -> dict[str, Any]:
         "null_blocks": 1,
         "null_block_source": {"file": rel, "line": where[0], "text": evidence},
         "weights_download_log": download_log_threshold(site),
+        # --distributed-timeout-seconds unset: vLLM passes no timeout to init_process_group, so
+        # torch's NCCL default applies (to the rendezvous and to every collective)
+        "distributed_timeout": {
+            "seconds": int(default_pg_nccl_timeout.total_seconds()),
+            "source": "torch.distributed.constants.default_pg_nccl_timeout",
+        },
     }
 
 

@@ -1,6 +1,9 @@
 """`rankguard plan`: the per-rank KV budget for a model and a split, offline, from priors (and any
 figures measured by hand), with the `vllm` command line the operator would deploy with it.
 
+(Over 450 lines because the command is one piece: its options, the spec they describe, and the
+two ways it prints the plan, table and JSON, each per rank and, across pods, per pod.)
+
     rankguard plan --model meta-llama/Meta-Llama-3-70B --tp 8 --gpu-memory 80GiB \\
         --max-num-seqs 128 --logits gather [--json]
 
@@ -28,7 +31,8 @@ from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurem
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import resolve_model
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.names import POD_INDEX_LABEL
+from rankguard_operator.core.render.pod import GroupNode, vllm_args
 from rankguard_operator.core.spec.crd import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -112,6 +116,13 @@ def add_plan(sub: Any) -> None:
     p.add_argument("--gpu-memory", type=_bytes_arg, required=True, help="total memory of one GPU, e.g. 80GiB")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (default 1)")
+    p.add_argument(
+        "--pods",
+        type=_positive_int,
+        default=1,
+        help="pods one replica spans (spec.distributed.podsPerGroup; default 1): which pod holds which "
+        "ranks, and each pod's vLLM command line",
+    )
     p.add_argument("--dtype", default="auto", help="vLLM --dtype (default auto: 16-bit)")
     p.add_argument(
         "--weight-dtype", default="auto", help="weight precision: auto, bfloat16, fp8, int8, int4, ..."
@@ -226,12 +237,20 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
-def serve_args(args: argparse.Namespace, plan: Plan) -> list[str]:
-    """The `vllm` arguments (from `serve`) of the Deployment the operator would render for the
-    spec these options describe, with this plan's budget: the renderer's own, so `rankguard
-    plan` and `rankguard render` never disagree. The spec is read as the operator reads one
-    (parse_spec), so a value vLLM would refuse is refused here too; the rules are the newest
-    recorded vLLM's (the image is a placeholder: only its version matters)."""
+def _group_spec(args: argparse.Namespace, doc: dict[str, Any]) -> dict[str, Any]:
+    pods = getattr(args, "pods", 1)
+    return {**doc, "distributed": {"podsPerGroup": pods}} if pods > 1 else doc
+
+
+# The leader's address in a multi-node command line, for a service and namespace not named yet.
+PLAN_LEADER_ADDRESS = "<llmservice>-g0-0.<llmservice>-nodes.<namespace>"
+
+
+def _spec_doc(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    """The LLMService spec these options describe. Its `vllm` arguments are the renderer's own,
+    so `rankguard plan` and `rankguard render` never disagree; the spec is read as the operator
+    reads one (parse_spec), so a value vLLM would refuse is refused here too; the rules are the
+    newest recorded vLLM's (the image is a placeholder: only its version matters)."""
     i = plan.inputs
     engine: dict[str, Any] = {
         "maxNumSeqs": i.max_num_seqs,
@@ -258,19 +277,72 @@ def serve_args(args: argparse.Namespace, plan: Plan) -> list[str]:
         "engine": engine,
         "memory": {"gpuMemoryBytes": i.gpu_memory_bytes, "safetyMarginBytes": i.safety_margin_bytes},
     }
+    return _group_spec(args, doc)
+
+
+def serve_args(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """The `vllm` arguments (from `serve`) of the pod the operator would render for the spec
+    these options describe (the leader's, when a replica spans pods), with this plan's budget."""
+    return _serve_args(_spec_doc(args, plan), plan)[0]
+
+
+def _serve_args(doc: dict[str, Any], plan: Plan) -> tuple[list[str], list[str]]:
+    """(the leader's or only pod's `vllm` arguments, a worker's; [] for one pod)."""
     try:
         spec = parse_spec(doc)
     except SpecError as exc:
         raise CLIError(str(exc)) from None
     # as the operator's first decision: a planned budget below the floor starts at the floor
-    budget = max(plan.kv_cache_memory_bytes, kv_floor(spec, plan))
-    return vllm_args(spec, ServingFlags(kv_cache_memory_bytes=budget), plan)
+    flags = ServingFlags(kv_cache_memory_bytes=max(plan.kv_cache_memory_bytes, kv_floor(spec, plan)))
+    if spec.distributed is None:
+        return vllm_args(spec, flags, plan), []
+    d = spec.distributed
+    leader, worker = (
+        vllm_args(
+            spec,
+            flags,
+            plan,
+            node=GroupNode(
+                nnodes=d.pods_per_group,
+                role=role,
+                master_addr=PLAN_LEADER_ADDRESS,
+                master_port=d.rendezvous_port,
+                node_rank_label=POD_INDEX_LABEL,
+            ),
+        )
+        for role in ("leader", "worker")
+    )
+    return leader, worker
 
 
-def plan_doc(plan: Plan, flags: list[str]) -> dict[str, Any]:
+def worker_args(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """A worker pod's `vllm` arguments when the replica spans pods (--pods), else []."""
+    if getattr(args, "pods", 1) <= 1:
+        return []
+    return _serve_args(_spec_doc(args, plan), plan)[1]
+
+
+def pod_of(rank: int, plan: Plan, pods: int) -> int:
+    """The pod (node rank) that holds global rank `rank` when a replica spans `pods` pods."""
+    return rank // max(1, plan.inputs.tp * plan.inputs.pp // max(1, pods))
+
+
+def plan_doc(
+    plan: Plan, flags: list[str], pods: int = 1, worker_flags: list[str] | None = None
+) -> dict[str, Any]:
     """The JSON of `rankguard plan --json`: the inputs, every rank's figures, the budget, and the
-    `vllm` arguments the operator would deploy with it (`flags`)."""
+    `vllm` arguments the operator would deploy with it (`flags`; with `pods` > 1 the leader's,
+    and `worker_flags` a worker's, whose node rank the pod's index gives)."""
     i = plan.inputs
+    group = (
+        {
+            "pods": pods,
+            "bottleneck_pod": pod_of(plan.bottleneck_rank, plan, pods),
+            "worker_flags": list(worker_flags or []),
+        }
+        if pods > 1
+        else {}
+    )
     return {
         "model": i.shape.name,
         "tp": i.tp,
@@ -287,6 +359,7 @@ def plan_doc(plan: Plan, flags: list[str]) -> dict[str, Any]:
         "ranks": [
             {
                 "rank": r.rank,
+                "pod": pod_of(r.rank, plan, pods),
                 "pp_stage": r.pp_stage,
                 "tp_rank": r.tp_rank,
                 "layers": r.layers,
@@ -325,6 +398,7 @@ def plan_doc(plan: Plan, flags: list[str]) -> dict[str, Any]:
         "feasible": plan.feasible,
         "warnings": list(plan.warnings),
         "flags": flags,
+        **group,
     }
 
 
@@ -345,21 +419,30 @@ _COLUMNS: tuple[tuple[str, Callable[[Any], str]], ...] = (
 )
 
 
-def render_plan(plan: Plan, flags: list[str], out: TextIO) -> None:
+def render_plan(
+    plan: Plan, flags: list[str], out: TextIO, pods: int = 1, worker_flags: list[str] | None = None
+) -> None:
     """The human-readable plan: one header line, the per-rank table, the budget, the `vllm`
-    command line the operator would deploy (`flags`, from `serve`)."""
+    command line the operator would deploy (`flags`, from `serve`; with `pods` > 1 the
+    leader's, then a worker's)."""
     i = plan.inputs
     w = out.write
     w(
         f"{i.shape.name}: TP {i.tp}"
         + (f" x PP {i.pp}" if i.pp > 1 else "")
+        + (f" over {pods} pods of {i.tp * i.pp // pods} GPUs" if pods > 1 else "")
         + f", {format_bytes(i.gpu_memory_bytes)} per GPU, logits {i.logits_mode}, "
         f"max_num_seqs {i.max_num_seqs}, "
         f"max_num_batched_tokens {i.max_num_batched_tokens}, max_model_len {plan.max_model_len}\n\n"
     )
-    header = ["RANK", *(name for name, _ in _COLUMNS)]
+    pod_col = pods > 1
+    header = ["RANK", *(["POD"] if pod_col else []), *(name for name, _ in _COLUMNS)]
     rows = [
-        [f"{r.rank}{'*' if r.rank == plan.bottleneck_rank else ''}", *(cell(r) for _, cell in _COLUMNS)]
+        [
+            f"{r.rank}{'*' if r.rank == plan.bottleneck_rank else ''}",
+            *([str(pod_of(r.rank, plan, pods))] if pod_col else []),
+            *(cell(r) for _, cell in _COLUMNS),
+        ]
         for r in plan.ranks
     ]
     widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
@@ -370,7 +453,8 @@ def render_plan(plan: Plan, flags: list[str], out: TextIO) -> None:
     w(
         f"KV budget:        {format_bytes(plan.kv_cache_memory_bytes)} per GPU "
         f"({plan.kv_cache_memory_bytes} bytes), set by rank {plan.bottleneck_rank} "
-        f"minus a {format_bytes(i.safety_margin_bytes)} margin, whole blocks\n"
+        + (f"on pod {pod_of(plan.bottleneck_rank, plan, pods)} " if pod_col else "")
+        + f"minus a {format_bytes(i.safety_margin_bytes)} margin, whole blocks\n"
     )
     w(f"KV per token:     {plan.kv_bytes_per_token:,} bytes per rank\n")
     w(
@@ -385,7 +469,15 @@ def render_plan(plan: Plan, flags: list[str], out: TextIO) -> None:
         f"Utilization:      --gpu-memory-utilization {plan.gpu_memory_utilization:.4f} would give "
         f"{format_bytes(plan.utilization_kv_bytes)} of KV (prefer the explicit budget)\n\n"
     )
-    w("Flags (the vLLM command line the operator deploys):\n  vllm " + " ".join(flags) + "\n")
+    if pod_col:
+        w("Flags on the leader (pod 0, serves HTTP):\n  vllm " + " ".join(flags) + "\n")
+        w(
+            "Flags on every other pod (its node rank from its pod-index label):\n  vllm "
+            + " ".join(worker_flags or [])
+            + "\n"
+        )
+    else:
+        w("Flags (the vLLM command line the operator deploys):\n  vllm " + " ".join(flags) + "\n")
     for warning in plan.warnings:
         w(f"\nwarning: {warning}\n")
 
@@ -393,8 +485,9 @@ def render_plan(plan: Plan, flags: list[str], out: TextIO) -> None:
 def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     plan = plan_from_args(args)
     flags = serve_args(args, plan)
+    workers = worker_args(args, plan)
     if args.json:
-        out.write(json.dumps(plan_doc(plan, flags), indent=2) + "\n")
+        out.write(json.dumps(plan_doc(plan, flags, args.pods, workers), indent=2) + "\n")
     else:
-        render_plan(plan, flags, out)
+        render_plan(plan, flags, out, args.pods, workers)
     return 0 if plan.feasible else 1

@@ -2,8 +2,10 @@
 
 Like `helm template`: each LLMService in the file goes through the operator's own first pass
 (`reconcile.step` over an empty world: the same spec validation, plan and renderers), and the
-Deployment and Service it would apply are printed as YAML. `--check` also reads every vLLM
-command line the way that image's vLLM would (its recorded snapshot) and exits 1 on a problem.
+Deployment and Service it would apply (a multi-node service: its groups' StatefulSets and the
+headless Service) are printed as YAML. `--check` also reads every vLLM command line the way
+that image's vLLM would (its recorded snapshot), checks that every pod of a group runs the
+same model and parallel flags, and exits 1 on a problem.
 
 Exit codes: 0 rendered (and checked); 1 `--check` found a problem; 2 bad input (unreadable file,
 no LLMService, a spec the operator refuses), one line per problem on stderr.
@@ -13,15 +15,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import yaml
 
 from rankguard_operator.core.engine.rules import rules_for_image
-from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, VLLM_CONTAINER
-from rankguard_operator.core.render.deployment import served_argv
+from rankguard_operator.core.names import (
+    DEFAULT_AGENT_IMAGE,
+    GROUP_LABEL,
+    NODE_RANK_ENV,
+    ROLE_LABEL,
+    VLLM_CONTAINER,
+)
+from rankguard_operator.core.render.leader_worker_set import MASTER_ADDR_ARG
+from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import Objects, Settings, World, reconcile
 from rankguard_operator.core.units import QuantityError, parse_bytes
@@ -99,15 +108,94 @@ def render_service(
     return objects.applied, []
 
 
+# What the kubelet expands in a rendered command line, and a value that stands in for each.
+_EXPANDED = {"$(POD_IP)": "10.0.0.1", f"$({NODE_RANK_ENV})": "1", MASTER_ADDR_ARG: "leader.example"}
+# The options that may differ between the pods of a group (the node rank, who is headless).
+_PER_POD = ("--node-rank", "--headless")
+
+
+def _expanded(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        word = arg
+        for var, value in _EXPANDED.items():
+            word = word.replace(var, value)
+        out.append(word)
+    return out
+
+
+def _pod_specs(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(what to call it, pod spec) of each pod template an object rendered by rankguard holds."""
+    name = str(obj["metadata"]["name"])
+    if obj.get("kind") == "LeaderWorkerSet":
+        lwt = obj["spec"]["leaderWorkerTemplate"]
+        return [
+            (f"{name} (leader)", lwt["leaderTemplate"]["spec"]),
+            (f"{name} (workers)", lwt["workerTemplate"]["spec"]),
+        ]
+    return [(name, obj["spec"]["template"]["spec"])]
+
+
 def check_deployment(deployment: Mapping[str, Any]) -> tuple[list[str], str | None]:
-    """(problems the image's vLLM would have with the rendered command, the rules note)."""
-    pod_spec = deployment["spec"]["template"]["spec"]
+    """(problems the image's vLLM would have with the rendered commands, the rules note). A
+    Deployment, a StatefulSet (a group's leader or workers) or a LeaderWorkerSet."""
+    problems: list[str] = []
+    note = None
+    for name, pod_spec in _pod_specs(deployment):
+        found, note = _check_pod(name, pod_spec)
+        problems += found
+    return problems, note
+
+
+def _check_pod(name: str, pod_spec: Mapping[str, Any]) -> tuple[list[str], str | None]:
     vllm = next(c for c in pod_spec["containers"] if c["name"] == VLLM_CONTAINER)
     rules = rules_for_image(vllm["image"])
-    # $(POD_IP) is expanded by the kubelet; any address stands in for it here
-    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in served_argv(pod_spec)]
-    name = deployment["metadata"]["name"]
+    argv = _expanded(served_argv(pod_spec))
     return [f"{name}: vLLM {rules.version}: {p}" for p in rules.cli.check_serve(argv)], rules.note
+
+
+def shared_flags(argv: list[str]) -> list[str]:
+    """A group pod's vLLM arguments less what may differ between its pods."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--node-rank":
+            skip = True
+        elif a not in _PER_POD:
+            out.append(a)
+    return out
+
+
+def check_groups(objects: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every pod of a group must run the same model and parallel flags (vLLM's nodes agree on
+    the world they form, or the rendezvous never completes): one problem per set that differs
+    from its group's leader."""
+    leaders: dict[tuple[str, str], list[str]] = {}
+    workers: list[tuple[tuple[str, str], str, list[str]]] = []
+    for obj in objects:
+        if obj.get("kind") != "StatefulSet":
+            continue
+        meta = obj["metadata"]
+        key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(GROUP_LABEL)))
+        argv = shared_flags(served_argv(obj["spec"]["template"]["spec"]))
+        if (meta.get("labels") or {}).get(ROLE_LABEL) == "leader":
+            leaders[key] = argv
+        else:
+            workers.append((key, str(meta["name"]), argv))
+    problems = []
+    for obj in objects:
+        if obj.get("kind") == "LeaderWorkerSet":
+            (_, lead_spec), (name, work_spec) = _pod_specs(obj)
+            workers.append((("lws", name), name, shared_flags(served_argv(work_spec))))
+            leaders[("lws", name)] = shared_flags(served_argv(lead_spec))
+    for key, name, argv in workers:
+        leader = leaders.get(key)
+        if leader is not None and leader != argv:
+            diff = sorted(set(leader) ^ set(argv))
+            problems.append(f"{name}: its pods' vLLM flags differ from the leader's: {' '.join(diff)}")
+    return problems
 
 
 def _run_render(args: argparse.Namespace, out: TextIO) -> int:
@@ -129,8 +217,9 @@ def _run_render(args: argparse.Namespace, out: TextIO) -> int:
     if refused:
         raise RenderError("; ".join(refused))
     if args.check:
+        problems += check_groups(objects)
         for obj in objects:
-            if obj["kind"] == "Deployment":
+            if obj["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
                 found, note = check_deployment(obj)
                 problems += found
                 if note:

@@ -78,6 +78,11 @@ def download_log_seconds() -> float:
     return float(snapshot().engine["weights_download_log"]["seconds"])
 
 
+def distributed_timeout_seconds() -> int:
+    """torch's NCCL default timeout, which applies when vLLM gets no --distributed-timeout-seconds."""
+    return int(snapshot().engine["distributed_timeout"]["seconds"])
+
+
 def null_blocks() -> int:
     """Blocks BlockPool holds back (the null block); never usable by requests."""
     return snapshot().null_blocks

@@ -183,15 +183,21 @@ def start_node(
     backoff_base: float = 0.5,
     backoff_cap: float = 5.0,
     mig: MigLayout | None = None,
+    gpus: int | None = None,
 ) -> Node:
-    """A process kubelet for `scenario` (room for two replicas' GPUs), optionally with MIG
-    slices; the control plane's default StorageClass gives its pods PersistentVolumes."""
+    """A process kubelet for `scenario` (room for two replicas' GPUs, or `gpus`), optionally with
+    MIG slices; the control plane's default StorageClass gives its pods PersistentVolumes.
+
+    A multi-node scenario's two replicas are two groups of `nnodes` pods: one node has all their
+    GPUs (2 × world size, e.g. 32 for TP8×PP2), or call this once per pod with `gpus=` the
+    scenario's local world size (distinct names: four 8-GPU nodes). Every node's pods resolve
+    each other's names (kube/dns.py)."""
     kubelet = ProcessKubelet(
         api,
         name,
         workdir=workdir / name,
         gpu_root=workdir / name / "gpus",
-        gpus=scenario_gpu_count(scenario),
+        gpus=scenario_gpu_count(scenario) if gpus is None else gpus,
         scenario=scenario,
         backoff_base=backoff_base,
         backoff_cap=backoff_cap,

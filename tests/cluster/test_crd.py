@@ -108,6 +108,29 @@ VALID: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
         "host-memory-quantity",
         with_spec(remediation={"maxHostMemory": "512Gi"}, resources={"limits": {"memory": "64Gi"}}),
     ),
+    (
+        "multi-node",
+        with_spec(
+            tensorParallelSize=8,
+            pipelineParallelSize=2,
+            distributed={
+                "podsPerGroup": 2,
+                "timeoutSeconds": 300,
+                "networkInterface": "eth0",
+                "workerTemplate": {
+                    "metadata": {"labels": {"team": "llm"}},
+                    "spec": {
+                        "nodeSelector": {"pool": "h100"},
+                        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    },
+                },
+            },
+        ),
+    ),
+    (
+        "multi-node-lws",
+        with_spec(tensorParallelSize=4, distributed={"podsPerGroup": 4, "workload": "LeaderWorkerSet"}),
+    ),
 ]
 
 
@@ -297,6 +320,37 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         with_spec(remediation={"maxHostMemory": "lots"}),
         "spec.remediation.maxHostMemory in body should match",
     ),
+    (
+        "group-not-divisible",
+        with_spec(tensorParallelSize=8, pipelineParallelSize=2, distributed={"podsPerGroup": 3}),
+        "does not divide over distributed.podsPerGroup",
+    ),
+    (
+        "group-more-pods-than-gpus",
+        with_spec(tensorParallelSize=2, distributed={"podsPerGroup": 4}),
+        "distributed.podsPerGroup is more pods than the replica's GPUs",
+    ),
+    (
+        "group-one-pod",
+        with_spec(tensorParallelSize=2, distributed={"podsPerGroup": 1}),
+        "spec.distributed.podsPerGroup: Invalid value: 1: spec.distributed.podsPerGroup in body should be "
+        "greater than or equal to 2",
+    ),
+    (
+        "group-port-clash",
+        with_spec(tensorParallelSize=2, distributed={"podsPerGroup": 2, "rendezvousPort": 8000}),
+        "distributed.rendezvousPort is already one of the pod's ports",
+    ),
+    (
+        "group-workload",
+        with_spec(tensorParallelSize=2, distributed={"podsPerGroup": 2, "workload": "Ray"}),
+        'spec.distributed.workload: Unsupported value: "Ray"',
+    ),
+    (
+        "group-interface",
+        with_spec(tensorParallelSize=2, distributed={"podsPerGroup": 2, "networkInterface": "eth 0"}),
+        "spec.distributed.networkInterface in body should match",
+    ),
 ]
 
 
@@ -474,7 +528,7 @@ def test_status_subresource_and_printer_columns(cluster: ControlPlane, crd: str,
 
     wide = cluster.kubectl("get", "llmservice", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
     assert wide[:10] == header
-    assert wide[10:] == ["PP", "MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE"]
+    assert wide[10:] == ["PP", "PODS", "MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE"]
 
 
 def test_status_history_is_bounded(cluster: ControlPlane, crd: str, namespace: str) -> None:

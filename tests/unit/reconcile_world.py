@@ -19,7 +19,7 @@ from rankguard_operator.core.names import (
     TEMPLATE_HASH_ANNOTATION,
 )
 from rankguard_operator.core.observe.pods import deployment_template_hash
-from rankguard_operator.core.render.deployment import served_argv
+from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import Objects, ReportInput, Settings, Step, World, reconcile
 from rankguard_operator.core.units import GiB

@@ -29,7 +29,8 @@ from rankguard_operator.core.observe.pods import (
     rollout_state,
     terminations,
 )
-from rankguard_operator.core.render.deployment import render_deployment, vllm_args
+from rankguard_operator.core.render.deployment import render_deployment
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step import scrape_targets
 from rankguard_sim.physics.engine_outcome import outcome, true_max_safe_kv

@@ -12,7 +12,7 @@ from rankguard_operator.cli import main
 from rankguard_operator.cli_plan import plan_doc
 from rankguard_operator.core.budget.planner import PlanInput, make_plan
 from rankguard_operator.core.model.resolve import resolve_model
-from rankguard_operator.core.render.deployment import served_argv
+from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.units import GiB
 
 ISSUE_EXAMPLE = [

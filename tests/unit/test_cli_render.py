@@ -12,7 +12,7 @@ from reconcile_world import flags_of, vllm_argv
 
 from rankguard_operator.cli import main
 from rankguard_operator.cli_render import check_deployment
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import parse_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama3-70b-tp4.yaml"

@@ -16,12 +16,8 @@ from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import resolve
 from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, labels, selector
-from rankguard_operator.core.render.deployment import (
-    render_deployment,
-    render_service,
-    template_hash,
-    vllm_args,
-)
+from rankguard_operator.core.render.deployment import render_deployment, render_service, template_hash
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.units import GiB

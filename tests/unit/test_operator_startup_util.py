@@ -13,7 +13,7 @@ from rankguard_operator.core.budget.bounds import (
     startup_utilization,
 )
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 

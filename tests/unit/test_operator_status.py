@@ -71,12 +71,13 @@ OBS = Observation(now=NOW, ranks=(row(0, 2 * GiB), row(1, 1946 * MiB), row(2, 3 
 
 
 def test_rank_rows() -> None:
-    rows = rank_rows(Observation(now=NOW, ranks=(row(0, 2 * GiB), row(1, 1946 * MiB, stale=True))))
+    rows = rank_rows(Observation(now=NOW, ranks=(row(0, 2 * GiB), row(1, 1946 * MiB, stale=True))), tp=1)
     assert rows == [
         {
             "rank": 0,
             "uuid": "GPU-0",
             "pod": "llama-0",
+            "stage": 0,
             "totalBytes": 80 * GiB,
             "freeBytes": 2 * GiB + 10 * MiB,
             "minFreeBytes": 2 * GiB,
@@ -88,6 +89,7 @@ def test_rank_rows() -> None:
             "rank": 1,
             "uuid": "GPU-1",
             "pod": "llama-0",
+            "stage": 1,  # tp 1: every rank is a stage of its own
             "totalBytes": 80 * GiB,
             "freeBytes": 1956 * MiB,
             "minFreeBytes": 1946 * MiB,
@@ -108,6 +110,8 @@ def test_summary_fields() -> None:
         "minHeadroom": "1.9Gi",
         "bottleneck": "rank 1",
         "bottleneckRank": 1,
+        "bottleneckPod": "llama-0",
+        "bottleneckStage": None,  # no spec given: its split is not known
     }
     stale0 = Observation(now=NOW, ranks=(row(0, GiB, stale=True), row(1, 3 * GiB)))
     s = summary_fields(stale0, ServingFlags(gpu_memory_utilization=0.92), 0, 2)

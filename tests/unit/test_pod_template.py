@@ -16,7 +16,8 @@ from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import TEMPLATE_HASH_ANNOTATION, labels
 from rankguard_operator.core.render.claim import render_cache_claim
-from rankguard_operator.core.render.deployment import render_deployment, served_argv
+from rankguard_operator.core.render.deployment import render_deployment
+from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 

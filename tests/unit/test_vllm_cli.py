@@ -24,7 +24,7 @@ from rankguard_operator.core.engine.owned_flags import (
 from rankguard_operator.core.engine.rules import image_version, rules_for, rules_for_image
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine.vllm_cli import convert
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 

@@ -31,7 +31,7 @@ from rankguard_operator.core.engine.rules import rules_for
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.engine.surface import HOST_MEMORY, MEASURE_FIRST, NO_EFFECT, REFUSED
 from rankguard_operator.core.engine.vllm_cli import HELP
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.fake_vllm import args as fake_args

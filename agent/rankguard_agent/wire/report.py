@@ -9,6 +9,14 @@ served model's config.json and checkpoint headers, `report_model`) are advisory:
 malformed is dropped alone and named in `Report.dropped_fields` (the operator counts those),
 while the rest of the report stands. Everything else malformed rejects the whole report.
 
+Ranks are vLLM's GLOBAL ranks. A pod of a multi-node group (vLLM's `--nnodes`) says where it
+sits (`nnodes`, `node_rank`, `local_world_size`, `tp_size`, `pp_size`) and, per rank, its
+`local_rank` (the pod's GPU index), pipeline `stage` and `tp_rank`; `parse_report` checks them
+against each other (global = node_rank × local_world_size + local_rank, stage = global //
+(world / pp_size), tp_rank = global % tp_size). A report without them is one node's: its ranks
+are its GPUs 0..N-1 (local = global) and the reader derives a stage or TP rank when it needs one
+(`rankguard_agent.wire.group.GroupPlace`).
+
 Standard library only: this module runs inside the vLLM container and inside the operator.
 """
 
@@ -19,13 +27,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rankguard_agent.wire.group import (
+    MAX_GROUP_RANKS,
+    MAX_NNODES,
+    MAX_RANKS,
+    GroupError,
+    GroupFields,
+    check_pod_ranks,
+)
 from rankguard_agent.wire.report_model import ModelReport, ModelReportError, parse_model
 
 REPORT_VERSION = 1
 # A TP-64 report with KV lines is ~20 KiB; `model` adds at most a 256 KiB config.json and
 # 4096 layers of figures (~350 KiB); anything far beyond that is hostile or broken.
 MAX_REPORT_BYTES = 1024 * 1024
-MAX_RANKS = 64
 MAX_TEXT = 1024
 # Largest believable GPU memory figure (1 PiB); bigger numbers are garbage, not GPUs.
 MAX_BYTES = 1 << 50
@@ -68,6 +83,10 @@ class RankSample:
     window_seconds: float
     error: str | None = None  # e.g. "GpuIsLost": the figures are then the last good ones, or 0
     engine_memory: EngineMemory | None = None  # the engine's own account, once it printed one
+    # In a multi-node group (None on one node, where local = global = `rank`):
+    local_rank: int | None = None  # the pod's GPU index (vLLM's local rank)
+    stage: int | None = None  # pipeline stage (PP rank)
+    tp_rank: int | None = None  # rank within its tensor-parallel group
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ class ProbeRank:
     free_after_bytes: int
     comm_bytes: int  # memory the communicator took: the rank's NCCL + context cost
     error: str | None = None
+    local_rank: int | None = None  # in a multi-node group: the pod's GPU index (`rank` is global)
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,12 @@ class Report:
     # engine lines the agent saw but could not read, by kind (rankguard_agent_unparsed_lines_total)
     unparsed_lines: dict[str, int] = field(default_factory=dict)
     model: ModelReport | None = None  # the served model's files, once the agent read them
+    # The pod's place in a vLLM multi-node group; all None on one node.
+    nnodes: int | None = None  # pods in the group (vLLM's --nnodes)
+    node_rank: int | None = None  # this pod's --node-rank
+    local_world_size: int | None = None  # vLLM ranks per pod: global = node_rank × this + local
+    tp_size: int | None = None
+    pp_size: int | None = None
     # Set by parse_report only, never sent: "where: why" for each engine field it dropped.
     dropped_fields: list[str] = field(default_factory=list)
 
@@ -138,6 +164,10 @@ def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = MAX_B
     if not lo <= v <= hi:
         raise ReportError(f"{where}.{key}: {v} is outside [{lo}, {hi}]")
     return v
+
+
+def _opt_int(doc: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int | None:
+    return None if doc.get(key) is None else _int(doc, key, where, lo, hi)
 
 
 def _num(doc: dict[str, Any], key: str, where: str, lo: float = 0.0, hi: float = 1e12) -> float:
@@ -236,15 +266,34 @@ def _model(d: dict[str, Any], dropped: list[str]) -> ModelReport | None:
         return None
 
 
-def _rank(doc: Any, where: str, dropped: list[str]) -> RankSample:
+def _group(d: dict[str, Any]) -> GroupFields:
+    w = "report"
+    try:
+        return GroupFields(
+            nnodes=_opt_int(d, "nnodes", w, 1, MAX_NNODES),
+            node_rank=_opt_int(d, "node_rank", w, 0, MAX_NNODES - 1),
+            local_world=_opt_int(d, "local_world_size", w, 1, MAX_RANKS),
+            tp=_opt_int(d, "tp_size", w, 1, MAX_GROUP_RANKS),
+            pp=_opt_int(d, "pp_size", w, 1, MAX_GROUP_RANKS),
+        )
+    except GroupError as e:
+        raise ReportError(f"report: {e}") from None
+
+
+def _rank(doc: Any, where: str, dropped: list[str], g: GroupFields) -> RankSample:
     d = _obj(doc, where)
     try:
         engine_memory = _engine_memory(d.get("engine_memory"), f"{where}.engine_memory")
     except ReportError as e:
         engine_memory = None
         dropped.append(str(e))
+    rank = _int(d, "rank", where, 0, g.rank_limit - 1)
+    local = _opt_int(d, "local_rank", where, 0, (g.local_world or MAX_RANKS) - 1)
+    stage = _opt_int(d, "stage", where, 0, (g.pp or MAX_GROUP_RANKS) - 1)
+    tp_rank = _opt_int(d, "tp_rank", where, 0, (g.tp or MAX_GROUP_RANKS) - 1)
+    _check_rank(g, where, rank, local, stage=stage, tp=tp_rank)
     s = RankSample(
-        rank=_int(d, "rank", where, 0, MAX_RANKS - 1),
+        rank=rank,
         uuid=_str(d, "uuid", where) or "",
         total_bytes=_int(d, "total_bytes", where),
         used_bytes=_int(d, "used_bytes", where),
@@ -253,13 +302,16 @@ def _rank(doc: Any, where: str, dropped: list[str]) -> RankSample:
         window_seconds=_num(d, "window_seconds", where, 0.0, 86400.0),
         error=_str(d, "error", where, optional=True),
         engine_memory=engine_memory,
+        local_rank=local,
+        stage=stage,
+        tp_rank=tp_rank,
     )
     if s.error is None and (s.free_bytes > s.total_bytes or s.min_free_bytes > s.free_bytes):
         raise ReportError(f"{where}: free/min_free exceed total/free ({s.free_bytes}, {s.min_free_bytes})")
     return s
 
 
-def _probe(doc: Any) -> ProbeResult | None:
+def _probe(doc: Any, g: GroupFields) -> ProbeResult | None:
     if doc is None:
         return None
     d = _obj(doc, "probe")
@@ -267,13 +319,17 @@ def _probe(doc: Any) -> ProbeResult | None:
     for i, r in enumerate(_list(d, "ranks", "probe", MAX_RANKS)):
         w = f"probe.ranks[{i}]"
         rd = _obj(r, w)
+        rank = _int(rd, "rank", w, 0, g.rank_limit - 1)
+        local = _opt_int(rd, "local_rank", w, 0, MAX_RANKS - 1)
+        _check_rank(g, w, rank, local)
         ranks.append(
             ProbeRank(
-                rank=_int(rd, "rank", w, 0, MAX_RANKS - 1),
+                rank=rank,
                 free_before_bytes=_int(rd, "free_before_bytes", w),
                 free_after_bytes=_int(rd, "free_after_bytes", w),
                 comm_bytes=_int(rd, "comm_bytes", w, -MAX_BYTES),
                 error=_str(rd, "error", w, optional=True),
+                local_rank=local,
             )
         )
     ok = d.get("ok")
@@ -299,6 +355,21 @@ def _kv(doc: Any, where: str) -> KVLine:
     )
 
 
+def _check_rank(
+    g: GroupFields,
+    where: str,
+    rank: int,
+    local: int | None,
+    *,
+    stage: int | None = None,
+    tp: int | None = None,
+) -> None:
+    try:
+        g.check_rank(rank, local, stage, tp)
+    except GroupError as e:
+        raise ReportError(f"{where}: {e}") from None
+
+
 def parse_report(raw: bytes) -> Report:
     """Validate untrusted bytes from an agent. Raises ReportError with a precise reason."""
     if len(raw) > MAX_REPORT_BYTES:
@@ -312,11 +383,15 @@ def parse_report(raw: bytes) -> Report:
     if version != REPORT_VERSION:
         raise ReportError(f"report.version {version} is not supported (this operator reads {REPORT_VERSION})")
     dropped: list[str] = []
+    group = _group(d)
     ranks = [
-        _rank(r, f"report.ranks[{i}]", dropped) for i, r in enumerate(_list(d, "ranks", "report", MAX_RANKS))
+        _rank(r, f"report.ranks[{i}]", dropped, group)
+        for i, r in enumerate(_list(d, "ranks", "report", MAX_RANKS))
     ]
-    if sorted(r.rank for r in ranks) != list(range(len(ranks))):
-        raise ReportError("report.ranks: ranks must be 0..N-1, each once")
+    try:
+        check_pod_ranks([(r.rank, r.local_rank) for r in ranks], group.first_rank)
+    except GroupError as e:
+        raise ReportError(f"report.ranks: {e}") from None
     sampler_ok = d.get("sampler_ok", True)
     if not isinstance(sampler_ok, bool):
         raise ReportError("report.sampler_ok: expected true or false")
@@ -325,11 +400,16 @@ def parse_report(raw: bytes) -> Report:
         agent_version=_str(d, "agent_version", "report") or "",
         timestamp=_num(d, "timestamp", "report"),
         ranks=sorted(ranks, key=lambda r: r.rank),
-        probe=_probe(d.get("probe")),
+        probe=_probe(d.get("probe"), group),
         kv_lines=[_kv(k, f"report.kv_lines[{i}]") for i, k in enumerate(_list(d, "kv_lines", "report", 16))],
         sampler_ok=sampler_ok,
         engine_version=_engine_version(d, dropped),
         unparsed_lines=_unparsed(d, dropped),
         model=_model(d, dropped),
+        nnodes=group.nnodes,
+        node_rank=group.node_rank,
+        local_world_size=group.local_world,
+        tp_size=group.tp,
+        pp_size=group.pp,
         dropped_fields=dropped,
     )

@@ -4,6 +4,11 @@ The kubelet copies it into `status.containerStatuses[].lastState.terminated.mess
 is how the operator learns that rank r ran out of GPU memory, and by how much. The kubelet
 keeps at most 4096 bytes, so `to_json()` guarantees that bound.
 
+`rank` is vLLM's GLOBAL rank. A pod of a vLLM multi-node group also says its place (`nnodes`,
+`node_rank`) on every message, and with a known `rank` that rank's `local_rank` (the pod's GPU
+index), pipeline `stage` and `tp_rank`; all of these are null on one node, where `rank` is the
+pod's GPU index as before.
+
 Standard library only: it runs inside the vLLM container and inside the operator.
 """
 
@@ -33,7 +38,7 @@ class TerminationError(ValueError):
 class TerminationMessage:
     reason: str
     exit_code: int
-    rank: int | None = None  # the rank (index in the pod's visible GPUs) that ran out
+    rank: int | None = None  # the global rank that ran out (one node: index in the pod's visible GPUs)
     gpu_index: int | None = None  # the device index PyTorch printed
     requested_bytes: int | None = None
     free_bytes: int | None = None
@@ -47,6 +52,12 @@ class TerminationMessage:
     # with startup_check: the weights another process holds on the device exceeded total x
     # utilisation ("Externally held weights on device ..."); the utilisation must rise above them
     external_weight_bytes: int | None = None
+    # A pod of a vLLM multi-node group (None on one node): where the writer sits, and where `rank` sits
+    node_rank: int | None = None  # the writing pod's --node-rank
+    nnodes: int | None = None  # pods in the group
+    local_rank: int | None = None  # `rank`'s GPU index on this pod
+    stage: int | None = None  # `rank`'s pipeline stage (PP rank)
+    tp_rank: int | None = None  # `rank`'s rank in its tensor-parallel group
     version: int = TERMINATION_VERSION
 
     def to_json(self) -> str:
@@ -104,10 +115,18 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
     exit_code = doc.get("exit_code")
     if isinstance(exit_code, bool) or not isinstance(exit_code, int):
         raise TerminationError("exit_code: expected an integer")
+    node_rank, nnodes = _opt_int(doc, "node_rank"), _opt_int(doc, "nnodes")
+    if (node_rank is None) != (nnodes is None):
+        raise TerminationError("node_rank and nnodes come together")
+    if nnodes is not None and node_rank is not None and not node_rank < nnodes:
+        raise TerminationError(f"node_rank {node_rank} is not one of the group's 0..{nnodes - 1}")
+    rank, local_rank = _opt_int(doc, "rank"), _opt_int(doc, "local_rank")
+    if local_rank is not None and (rank is None or rank < local_rank):
+        raise TerminationError("local_rank: needs a rank at least as large")
     return TerminationMessage(
         reason=reason,
         exit_code=exit_code,
-        rank=_opt_int(doc, "rank"),
+        rank=rank,
         gpu_index=_opt_int(doc, "gpu_index"),
         requested_bytes=_opt_int(doc, "requested_bytes"),
         free_bytes=_opt_int(doc, "free_bytes"),
@@ -117,4 +136,9 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
         detail=_opt_str(doc, "detail"),
         startup_check=_opt_bool(doc, "startup_check"),
         external_weight_bytes=_opt_int(doc, "external_weight_bytes"),
+        node_rank=node_rank,
+        nnodes=nnodes,
+        local_rank=local_rank,
+        stage=_opt_int(doc, "stage"),
+        tp_rank=_opt_int(doc, "tp_rank"),
     )

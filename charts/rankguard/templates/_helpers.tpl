@@ -120,8 +120,10 @@ namespace, so that combination is refused rather than silently protecting nothin
 {{/*
 The rules of the operator's ServiceAccount: exactly what it calls, nothing more (docs/rbac.md
 has the same table; tests/cluster/test_chart.py asserts `kubectl auth can-i --list` equals it).
-No delete anywhere: serving Deployments and Services carry an ownerReference to their
-LLMService, so the garbage collector removes them; the operator never deletes.
+Serving Deployments, StatefulSets and Services carry an ownerReference to their LLMService,
+so the garbage collector removes them with it; the operator deletes only what it stopped
+wanting while the LLMService lives (a group beyond spec.replicas, the Deployment of a service
+that became multi-node or the groups of one that stopped being).
 */}}
 {{- define "rankguard.rules" -}}
 # Watch every LLMService (the operator's input). patch: kopf keeps its finalizer and its
@@ -137,7 +139,17 @@ LLMService, so the garbage collector removes them; the operator never deletes.
 # a remediation rolls the vLLM flags); watch it to see the rollout finish.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A multi-node service (spec.distributed): each group's leader and workers as StatefulSets,
+# by server-side apply; watched for the groups' state; deleted when a group is no longer wanted.
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.distributed.workload LeaderWorkerSet: one LeaderWorkerSet per LLMService, by
+# server-side apply (the LWS controller, installed separately, runs the groups).
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "create", "patch"]
 # The Service in front of each LLMService's serving pods, also by server-side apply.
 - apiGroups: [""]
   resources: ["services"]

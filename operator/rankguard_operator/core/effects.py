@@ -26,6 +26,24 @@ class ApplyDeployment:
 
 
 @dataclass(frozen=True)
+class ApplyObject:
+    """Server-side apply one object of a multi-node service's groups (a StatefulSet, the
+    headless Service, a LeaderWorkerSet): core/step/group_roll decides which, pass by pass."""
+
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DeleteObject:
+    """Delete an object rankguard rendered and no longer wants (a group beyond spec.replicas,
+    the Deployment of a service that became multi-node, or the groups of one that stopped being)."""
+
+    kind: str
+    name: str
+    namespace: str
+
+
+@dataclass(frozen=True)
 class ApplyService:
     body: Mapping[str, Any]
 
@@ -58,4 +76,13 @@ class WriteStatus:
     patch: Mapping[str, Any]
 
 
-Effect = ApplyClaim | WriteIntent | ApplyDeployment | ApplyService | PostEvent | WriteStatus
+Effect = (
+    ApplyClaim
+    | WriteIntent
+    | ApplyDeployment
+    | ApplyObject
+    | DeleteObject
+    | ApplyService
+    | PostEvent
+    | WriteStatus
+)

@@ -131,3 +131,51 @@ def owner_reference(name: str, owner_uid: str) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# A group's objects (spec.distributed)
+
+GROUP_LABEL = f"{API_GROUP}/group"  # which group (replica) of a multi-node service a pod serves
+ROLE_LABEL = f"{API_GROUP}/role"  # leader (node rank 0, serves HTTP) or worker (headless)
+# Set by the StatefulSet controller (Kubernetes >= 1.28) on each pod: its ordinal. The workers'
+# StatefulSet starts its ordinals at 1, so the label is the pod's vLLM node rank.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+NODE_RANK_ENV = "RANKGUARD_NODE_RANK"
+# A StatefulSet's pods carry `statefulset.kubernetes.io/pod-name` (a label value, 63 at most)
+# and `controller-revision-hash` (the set's name, "-" and up to 10 characters): the set's name
+# plus "-w-" and two ordinal digits must stay within that.
+_GROUP_BASE = _MAX_LABEL - 11 - 6
+
+
+def group_base(name: str) -> str:
+    """The stem of a multi-node service's StatefulSets and Services: its Service name, cut with a
+    hash so `<stem>-g<i>-w-<ordinal>` stays a DNS label."""
+    base = service_name(name)
+    if len(base) <= _GROUP_BASE:
+        return base
+    return f"{base[: _GROUP_BASE - _HASH_CHARS - 1].rstrip('-')}-{_digest(name)}"
+
+
+def group_leader_name(name: str, group: int) -> str:
+    """The leader StatefulSet of group `group`; its one pod is `<this>-0`."""
+    return f"{group_base(name)}-g{group}"
+
+
+def group_workers_name(name: str, group: int) -> str:
+    """The workers' StatefulSet of group `group`; its pods are `<this>-1` … `<this>-<N-1>`."""
+    return f"{group_base(name)}-g{group}-w"
+
+
+def group_service_name(name: str) -> str:
+    """The headless Service that gives every pod of every group its DNS name (the leader's is the
+    rendezvous address)."""
+    return f"{group_base(name)}-nodes"
+
+
+def group_labels(name: str, group: int, role: str) -> dict[str, str]:
+    return {**labels(name), GROUP_LABEL: str(group), ROLE_LABEL: role}
+
+
+def group_selector(name: str, group: int, role: str) -> dict[str, str]:
+    return {**selector(name), GROUP_LABEL: str(group), ROLE_LABEL: role}

@@ -32,7 +32,9 @@ from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyClaim,
     ApplyDeployment,
+    ApplyObject,
     ApplyService,
+    DeleteObject,
     PostEvent,
     WriteIntent,
     WriteStatus,
@@ -85,6 +87,7 @@ class Seen:
     pods: Sequence[Mapping[str, Any]]  # by rankguard's labels: not yet vouched for
     deployment: Mapping[str, Any] | None  # the Deployment named after the service, if watched
     replicaset_owner: Mapping[str, str]  # ReplicaSet UID -> its controller's UID
+    statefulsets: Sequence[Mapping[str, Any]] = ()  # by rankguard's labels (a multi-node service's groups)
 
 
 class ServiceExecutor:
@@ -99,6 +102,7 @@ class ServiceExecutor:
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
         self._written: tuple[str, ServiceState] | None = None  # (rv of our write, state)
         self._applied: tuple[float, dict[str, Any]] | None = None  # (when, our last applied Deployment)
+        self._applied_sets: dict[str, tuple[float, dict[str, Any]]] = {}  # StatefulSets: name -> (when, body)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
         self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
@@ -172,15 +176,38 @@ class ServiceExecutor:
                 self._applied = None  # the watch has caught up: no second copy to keep
         return dict(watched) if watched is not None else None
 
-    def _trusted(self, seen: Seen, deployment: Mapping[str, Any] | None, uid: str) -> list[Mapping[str, Any]]:
-        pods, ignored = ownership.trusted_pods(seen.pods, seen.replicaset_owner, deployment, uid)
+    def _statefulsets(self, watched: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The watched StatefulSets, each replaced by the one our own apply returned while the
+        watch has not caught up with it (so a group roll is not decided twice from a stale set)."""
+        out = {_meta(s, "name"): dict(s) for s in watched}
+        now = time.monotonic()
+        for name, (when, mine) in list(self._applied_sets.items()):
+            live = out.get(name)
+            if (live is None and now - when < APPLIED_STANDS_SECONDS) or (
+                live is not None and _older(_meta(live, "resourceVersion"), _meta(mine, "resourceVersion"))
+            ):
+                out[name] = dict(mine)
+            else:
+                del self._applied_sets[name]
+        return [out[n] for n in sorted(out)]
+
+    def _trusted(
+        self,
+        seen: Seen,
+        deployment: Mapping[str, Any] | None,
+        uid: str,
+        statefulsets: Sequence[Mapping[str, Any]],
+    ) -> list[Mapping[str, Any]]:
+        pods, ignored = ownership.trusted_pods(
+            seen.pods, seen.replicaset_owner, deployment, uid, statefulsets
+        )
         now = time.monotonic()
         for i in ignored:
             if i.uid in self._ignored:
                 continue
             # most likely ours, with its ReplicaSet a moment behind in the watch: not news yet
             waiting = now - self._unvouched.setdefault(i.uid, now) < UNVOUCHED_GRACE_SECONDS
-            if i.reason in ("unknown-replicaset", "no-deployment") and waiting:
+            if i.reason in ("unknown-replicaset", "no-deployment", "unknown-statefulset") and waiting:
                 continue
             self._ignored.add(i.uid)
             PODS_IGNORED.labels(namespace=self.namespace, llmservice=self.name, reason=i.reason).inc()
@@ -205,11 +232,13 @@ class ServiceExecutor:
         generation = int(meta.get("generation") or 0)
         uid = str(meta.get("uid") or "")
         deployment = self._deployment(seen.deployment)
-        pods = self._trusted(seen, deployment, uid)
+        statefulsets = self._statefulsets(seen.statefulsets)
+        pods = self._trusted(seen, deployment, uid, statefulsets)
         model_config = await self._model_config(spec, generation)
         wanted = reads(spec, self.name, pods)
         claim = await self.claims.get(wanted.claim, generation) if wanted.claim else None
-        targets = [Target(*t) for t in scrape_targets(spec, deployment, pods)]
+        owned_sets = ownership.owned_statefulsets(statefulsets, uid)
+        targets = [Target(*t) for t in scrape_targets(spec, deployment, pods, owned_sets)]
         scraped = await self.scraper.scrape(targets)
         world = World(
             name=self.name,
@@ -220,6 +249,7 @@ class ServiceExecutor:
             now=time.time(),
             new_id=uuid.uuid4().hex[:12],
             deployment=deployment,
+            statefulsets=owned_sets,
             pods=pods,
             reports=[(s.pod, s.report, s.received_at) for s in scraped.reports],
             model_config=model_config,
@@ -312,6 +342,13 @@ class ServiceExecutor:
                 if effect.remediation_id is not None:
                     action = STATUS_ACTIONS.get(str(effect.action), str(effect.action))
                     REMEDIATIONS.labels(self.namespace, self.name, action, str(effect.trigger)).inc()
+            elif isinstance(effect, ApplyObject):
+                stored = await k8s.apply(effect.body)
+                if stored.get("kind") == "StatefulSet":
+                    self._applied_sets[str(stored["metadata"]["name"])] = (time.monotonic(), stored)
+            elif isinstance(effect, DeleteObject):
+                await k8s.delete(effect.kind, effect.name, effect.namespace)
+                self._applied_sets.pop(effect.name, None)
             elif isinstance(effect, (ApplyService, ApplyClaim)):
                 await k8s.apply(effect.body)
             elif isinstance(effect, PostEvent):
@@ -370,3 +407,7 @@ def _older(rv: str, than: str) -> bool:
         return int(rv) < int(than)
     except ValueError:
         return False
+
+
+def _meta(obj: Mapping[str, Any], key: str) -> str:
+    return str((obj.get("metadata") or {}).get(key) or "")

@@ -168,6 +168,25 @@ async def serving_deployments(namespace: str | None, name: str, body: kopf.Body,
     return {(namespace, name): doc}
 
 
+@kopf.index("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
+async def serving_statefulsets(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    """A multi-node service's StatefulSets by (namespace, the LLMService label value), without
+    managedFields: its groups (core/observe/groups)."""
+    service = labels.get(LLMSERVICE_LABEL)
+    if not service:
+        return {}
+    doc = {k: v for k, v in dict(body).items() if k != "metadata"}
+    doc["metadata"] = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
+    return {(namespace, service): doc}
+
+
+@kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
+async def statefulset_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, labels.get(LLMSERVICE_LABEL, ""))
+
+
 @kopf.index("apps", "v1", "replicasets", labels=MANAGED, when=_ours)
 async def replicaset_owners(namespace: str | None, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
     """A ReplicaSet's UID -> its controller's UID: the middle link of a pod's owner chain."""
@@ -221,6 +240,7 @@ async def service_daemon(
     pods_index: kopf.Index[Any, Any] = kwargs["serving_pods"]
     deployments: kopf.Index[Any, Any] = kwargs["serving_deployments"]
     replicasets: kopf.Index[Any, Any] = kwargs["replicaset_owners"]
+    statefulsets: kopf.Index[Any, Any] = kwargs["serving_statefulsets"]
     assert namespace is not None  # LLMService is namespaced
     config = _config(memo)
     executor = memo.get("executor")
@@ -238,6 +258,7 @@ async def service_daemon(
                 pods=pods,
                 deployment=next(iter(deployments.get((namespace, name), [])), None),
                 replicaset_owner=_owners(replicasets, namespace, pods),
+                statefulsets=list(statefulsets.get(key, [])),
             )
             try:
                 await executor.run_once(seen)

@@ -28,6 +28,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.names import API_GROUP, API_VERSION, OWNER_KIND, PLURAL, label_value
+from rankguard_operator.core.render.leader_worker_set import LWS_GROUP, LWS_KIND, LWS_PLURAL, LWS_VERSION
 from rankguard_operator.edge.api_health import HEALTH
 
 log = logging.getLogger("rankguard_operator.k8s")
@@ -95,6 +96,9 @@ async def _call(what: str, call: Callable[[], Any]) -> Any:
     try:
         result = await asyncio.to_thread(call)
     except ApiException as e:
+        if _refused_as_500(e):
+            HEALTH.succeeded()
+            raise  # the server answered: it refused the object (below), it is not down
         if e.status >= 500:
             HEALTH.failed(what, f"HTTP {e.status} {e.reason}", kind="server-error")
             raise ApiUnavailable(f"{what}: HTTP {e.status} {e.reason}") from e
@@ -105,6 +109,13 @@ async def _call(what: str, call: Callable[[], Any]) -> Any:
         raise ApiUnavailable(f"{what}: the API server is unreachable ({type(e).__name__})") from e
     HEALTH.succeeded()
     return result
+
+
+def _refused_as_500(e: ApiException) -> bool:
+    """kube-apiserver 1.34 answers a server-side apply with a field its schema does not declare
+    with HTTP 500 "failed to create typed patch object" (kubernetes/kubernetes#139253), not 4xx:
+    the object is wrong, the server is fine. Retrying cannot help."""
+    return e.status == 500 and "failed to create typed patch object" in str(e.body or "")
 
 
 async def readyz() -> bool:
@@ -134,17 +145,33 @@ def _refusal_detail(e: ApiException) -> str:
 # The kinds rankguard renders, and the API call that server-side applies each.
 _APPLIERS: dict[str, tuple[Any, str]] = {
     "Deployment": (client.AppsV1Api, "patch_namespaced_deployment"),
+    "StatefulSet": (client.AppsV1Api, "patch_namespaced_stateful_set"),
     "Service": (client.CoreV1Api, "patch_namespaced_service"),
     "PersistentVolumeClaim": (client.CoreV1Api, "patch_namespaced_persistent_volume_claim"),
 }
 
 
 async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Server-side apply a Deployment, Service or PersistentVolumeClaim we render. Returns the
-    object as stored."""
+    """Server-side apply a Deployment, StatefulSet, Service or PersistentVolumeClaim we render.
+    Returns the object as stored."""
     kind, meta = obj["kind"], obj["metadata"]
 
     def call() -> Any:
+        if kind == LWS_KIND:
+            # the client reads no body from a 201 (an apply that creates): take the raw answer
+            raw = client.CustomObjectsApi(api()).patch_namespaced_custom_object(
+                LWS_GROUP,
+                LWS_VERSION,
+                meta["namespace"],
+                LWS_PLURAL,
+                meta["name"],
+                dict(obj),
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=_APPLY,
+                _preload_content=False,
+            )
+            return json.loads(raw.data or b"{}")
         if kind in _APPLIERS:
             group, method = _APPLIERS[kind]
             patch = getattr(group(api()), method)
@@ -162,10 +189,36 @@ async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
     try:
         result = await _call(what, call)
     except ApiException as e:
-        if e.status in (400, 403, 422):
+        if e.status in (400, 403, 422) or _refused_as_500(e):
             raise ApplyRefused(kind, meta["name"], e.status, _refusal_detail(e)) from e
         raise _temporary(e, what) from e
-    return dict(api().sanitize_for_serialization(result))
+    return dict(result) if kind == LWS_KIND else dict(api().sanitize_for_serialization(result))
+
+
+# The kinds rankguard deletes when it no longer wants them, and the API call for each.
+_DELETERS: dict[str, tuple[Any, str]] = {
+    "Deployment": (client.AppsV1Api, "delete_namespaced_deployment"),
+    "StatefulSet": (client.AppsV1Api, "delete_namespaced_stateful_set"),
+}
+
+
+async def delete(kind: str, name: str, namespace: str) -> None:
+    """Delete an object rankguard rendered (its pods go with it: background propagation). One
+    already gone is fine."""
+    group, method = _DELETERS[kind]
+
+    def call() -> Any:
+        return getattr(group(api()), method)(name, namespace, propagation_policy="Background")
+
+    what = f"deleting {kind} {name}"
+    try:
+        await _call(what, call)
+    except ApiException as e:
+        if e.status == 404:
+            return
+        if e.status in (400, 403, 422):
+            raise ApplyRefused(kind, name, e.status, _refusal_detail(e)) from e
+        raise _temporary(e, what) from e
 
 
 async def _read(kind: str, name: str, call: Callable[[], Any]) -> dict[str, Any] | None:

@@ -179,6 +179,23 @@ class Console:
         target.write(msg + "\n")
         target.flush()
 
+    def bare(self, level: str, where: str, msg: str) -> None:
+        """A line of a process vLLM does not decorate (a headless node's main process)."""
+        self.plain(f"{level} {self.stamp()} [{where}] {msg}", error=level in ("ERROR", "CRITICAL"))
+
+    def engine_failed_to_start(self, lines: Sequence[str]) -> None:
+        """The engine core's report when its executor could not start (`lines`: the cause)."""
+        self.error_lines("EngineCore_DP0", "core.py:779", ["EngineCore failed to start.", *lines])
+        self.plain(ENGINE_INIT_FAILED, error=True)
+
+    def engine_died(self, error: str) -> None:
+        """The engine core's fatal error while serving (`error`: its last line), then the API
+        server's end."""
+        self.error_lines("EngineCore_DP0", "core.py:710", ["EngineCore encountered a fatal error.", error])
+        self.error_lines("APIServer", "async_llm.py:480", ["AsyncLLM output_handler failed.", ENGINE_DEAD])
+        self.plain("INFO:     Shutting down")
+        self.plain(f"INFO:     Finished server process [{self.pid}]")
+
 
 def worker_name(scenario: Scenario, rank: int) -> str:
     """vLLM names worker processes by their parallel ranks; one GPU runs inside the engine core."""

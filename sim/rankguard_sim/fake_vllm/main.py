@@ -30,6 +30,10 @@ Network: with `--host` 0.0.0.0, ::, empty or absent and RANKGUARD_SIM_POD_IP set
 process kubelet sets it), the server binds the pod IP: the sandbox's stand-in for a pod's
 network namespace (docs/sim-world.md). An explicit address is bound as given.
 
+Multi-node (`--nnodes N`, multinode.py and rendezvous.py): each pod plays one node of the group,
+its own ranks on its own GPUs; the leader serves HTTP once every node is up (the sandbox's knob
+RANKGUARD_SIM_DISTRIBUTED_TIMEOUT_S bounds the waits; RANKGUARD_SIM_HOSTS_FILE is its DNS).
+
 Environment knobs (the sandbox's, not vLLM's):
   RANKGUARD_SIM_SCENARIO         a built-in scenario name or a YAML path (default: the
                                  built-in matching the model and topology)
@@ -50,12 +54,10 @@ import asyncio
 import atexit
 import contextlib
 import fcntl
-import json
 import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,14 +67,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rankguard_sim.fake_vllm.args import VLLM_VERSION, config_from_args, non_default_args, parse_args
-from rankguard_sim.fake_vllm.console import (
-    ENGINE_DEAD,
-    ENGINE_INIT_FAILED,
-    Console,
-    failure_lines,
-    traceback_lines,
-    worker_name,
-)
+from rankguard_sim.fake_vllm.console import Console, failure_lines, traceback_lines, worker_name
 from rankguard_sim.fake_vllm.hf_download import (
     CachedRepo,
     CheckpointFile,
@@ -83,15 +78,18 @@ from rankguard_sim.fake_vllm.hf_download import (
 )
 from rankguard_sim.fake_vllm.ledger import FileLedger, select_gpus
 from rankguard_sim.fake_vllm.metrics import Metrics
+from rankguard_sim.fake_vllm.multinode import check_flags, topology
+from rankguard_sim.fake_vllm.rendezvous import Group
 from rankguard_sim.fake_vllm.sandbox import (
     DOWNLOAD_MESSAGE,
     ENGINE_PYNVML,
+    HostMemoryReporter,
     bind_address,
     engine_pynvml_origin,
 )
 from rankguard_sim.physics import gpus
 from rankguard_sim.physics.engine_config import EngineConfig, EngineConfigError
-from rankguard_sim.physics.engine_failures import EngineFailure, GpuLost
+from rankguard_sim.physics.engine_failures import EngineFailure
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, KVPlan
 from rankguard_sim.physics.scenario_data import Scenario, ScenarioError
 from rankguard_sim.physics.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
@@ -120,33 +118,6 @@ PHASE_SECONDS = {
 
 class _Stopped(Exception):
     """SIGTERM or SIGINT arrived: release and exit 0."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Host memory, for the kubelet's OOMKilled decision
-
-
-class HostMemoryReporter:
-    def __init__(self, path: str | None, pid: int) -> None:
-        self.path = Path(path) if path else None
-        self.pid = pid
-        self.peak = 0
-
-    def report(self, rss_bytes: int) -> None:
-        if self.path is None:
-            return
-        self.peak = max(self.peak, rss_bytes)
-        doc = {"pid": self.pid, "rss_bytes": rss_bytes, "peak_rss_bytes": self.peak}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,9 +161,12 @@ class FakeVllm:
     host: HostMemoryReporter
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     env: Mapping[str, str] = field(default_factory=dict)
+    group: Group | None = None  # --nnodes > 1: this node's part of the group (rendezvous.py)
 
     def __post_init__(self) -> None:
-        self.engine = EngineMemoryModel(self.scenario, self.config, self.ledger)
+        ranks = None if self.group is None else self.group.ranks
+        self.engine = EngineMemoryModel(self.scenario, self.config, self.ledger, ranks)
+        self.core = self.group is None or self.group.leader  # runs the engine core (and HTTP)
         self.model_name = (self.args.served_model_name or [self.args.model_tag])[0]
         self.metrics = Metrics(self.model_name)
         self.serving = False
@@ -211,8 +185,11 @@ class FakeVllm:
         if self.stop.is_set():
             raise _Stopped
 
-    def workers(self) -> list[tuple[int, str]]:
-        return [(r, worker_name(self.scenario, r)) for r in range(self.scenario.world_size)]
+    def workers(self, once: bool = False) -> list[tuple[int, str]]:
+        """This process's workers (global rank, name); `once`: vLLM's info_once lines, which on a
+        multi-node group come from each node's local rank 0 only (the fake keeps one node's all)."""
+        workers = [(m.rank, worker_name(self.scenario, m.rank)) for m in self.engine.ranks]
+        return workers[:1] if once and self.group is not None else workers
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -220,23 +197,26 @@ class FakeVllm:
         c, s, cfg = self.console, self.scenario, self.config
         started = time.monotonic()
         self.fetch_config()
-        c.info(
-            "EngineCore_DP0",
-            "core.py:140",
-            f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model='{self.args.model_tag}', "
-            f"dtype={TORCH_DTYPE.get(cfg.dtype, 'torch.' + cfg.dtype)}, max_seq_len={cfg.max_model_len}, "
-            f"tensor_parallel_size={cfg.tensor_parallel_size}, "
-            f"pipeline_parallel_size={cfg.pipeline_parallel_size}, kv_cache_dtype={cfg.kv_cache_dtype}, "
-            f"enforce_eager={cfg.enforce_eager}, served_model_name={self.model_name}",
-        )
+        if self.core:
+            c.info(
+                "EngineCore_DP0",
+                "core.py:140",
+                f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model='{self.args.model_tag}', "
+                f"dtype={TORCH_DTYPE.get(cfg.dtype, 'torch.' + cfg.dtype)}, max_seq_len={cfg.max_model_len}, "
+                f"tensor_parallel_size={cfg.tensor_parallel_size}, "
+                f"pipeline_parallel_size={cfg.pipeline_parallel_size}, kv_cache_dtype={cfg.kv_cache_dtype}, "
+                f"enforce_eager={cfg.enforce_eager}, served_model_name={self.model_name}",
+            )
         if self.settings.fail_startup:
             await self.pause(PHASE_SECONDS["init-device"])
             raise EngineStartupMessage(self.settings.fail_startup)
+        if self.group is not None:
+            await self.group.form(self)  # start-up waits until every node has joined
         self.engine.start_other_processes()  # the API server / engine core touching cuda:0
         self.engine.init_devices()
         await self.pause(PHASE_SECONDS["init-device"])
         requested = self.engine.check_free_memory()
-        for _, who in self.workers():
+        for _, who in self.workers(once=True):
             c.info(who, "gpu_model_runner.py:4979", f"Starting to load model {self.args.model_tag}...")
         await self.download_weights()
         if s.host_memory is not None:
@@ -246,8 +226,8 @@ class FakeVllm:
         await self.pause(PHASE_SECONDS["load-model"])
         took = time.monotonic() - load_started
         runner = "gpu_model_runner.py"  # vLLM's v1 model runner (the snapshot also has gpu/model_runner.py)
-        for rank, who in self.workers():
-            weights = format_gib(self.engine.ranks[rank].weights)
+        for rank, who in self.workers(once=True):
+            weights = format_gib(self.engine.all_ranks[rank].weights)
             c.info(
                 who,
                 where("model_loading", runner),
@@ -255,39 +235,41 @@ class FakeVllm:
             )
         self.engine.profile()
         await self.pause(PHASE_SECONDS["profile-run"])
-        plan = self.engine.determine_kv(requested)
-        for rank, who in self.workers():
+        if self.group is None:
+            plan = self.engine.determine_kv(requested)
+        else:  # the leader plans from every node's figures
+            plan = await self.group.plan_kv(self, requested)
+        for rank, who in self.workers(once=not plan.pinned):
             avail = plan.available[rank]
             if plan.pinned:
+                free = self.engine.snapshot_free[self.engine.device(rank)]
                 c.info(
                     who,
                     where("kv_bytes_reserved"),
-                    message(
-                        "kv_bytes_reserved", format_gib(self.engine.snapshot_free[rank]), format_gib(avail)
-                    ),
+                    message("kv_bytes_reserved", format_gib(free), format_gib(avail)),
                 )
             else:
                 c.info(who, where("available_kv_memory"), message("available_kv_memory", format_gib(avail)))
-        # One line since vLLM 0.2x: pool name ("GPU" on CUDA), tokens, length, concurrency.
-        c.info(
-            "EngineCore_DP0",
-            where("kv_cache_size"),
-            message(
-                "kv_cache_size",
-                "GPU",
-                f"{plan.num_tokens:,}",
-                f"{plan.max_model_len:,}",
-                plan.max_concurrency,
-            ),
-        )
+        if self.core:  # one line since vLLM 0.2x: pool name ("GPU" on CUDA), tokens, length, concurrency
+            c.info(
+                "EngineCore_DP0",
+                where("kv_cache_size"),
+                message(
+                    "kv_cache_size",
+                    "GPU",
+                    f"{plan.num_tokens:,}",
+                    f"{plan.max_model_len:,}",
+                    plan.max_concurrency,
+                ),
+            )
         self.engine.allocate_kv()
         await self.pause(PHASE_SECONDS["initialize-kv-cache"])
         if not cfg.enforce_eager:
             self.engine.capture_cuda_graphs()
             await self.pause(PHASE_SECONDS["capture-cuda-graphs"])
             capture_s = PHASE_SECONDS["capture-cuda-graphs"] / self.settings.time_scale
-            for rank, who in self.workers():
-                graphs = self.engine.ranks[rank].cuda_graph / (1 << 30)
+            for rank, who in self.workers(once=True):
+                graphs = self.engine.all_ranks[rank].cuda_graph / (1 << 30)
                 c.info(
                     who,
                     "gpu_model_runner.py:6517",
@@ -296,12 +278,15 @@ class FakeVllm:
         self.print_memory_reports()
         self.engine.warm_up_sampler()
         await self.pause(PHASE_SECONDS["sampler-warmup"])
-        c.info(
-            "EngineCore_DP0",
-            "core.py:210",
-            "init engine (profile, create kv cache, warmup model) took "
-            f"{time.monotonic() - started:.2f} seconds",
-        )
+        if self.group is not None:
+            await self.group.ready(self)
+        if self.core:
+            took = time.monotonic() - started
+            c.info(
+                "EngineCore_DP0",
+                "core.py:210",
+                f"init engine (profile, create kv cache, warmup model) took {took:.2f} seconds",
+            )
         self.metrics.set_cache_config(cfg, plan)
         return plan
 
@@ -402,6 +387,8 @@ class FakeVllm:
 
     async def step(self, running: int, demand: int, plan: KVPlan) -> None:
         """One visible transient: allocate this batch's logits, hold, release."""
+        if self.group is not None:
+            self.group.send_step(running)  # every node runs the step on its own ranks
         self.engine.begin_step(running)
         per_seq = math.ceil(self.scenario.load.tokens_per_seq / self.config.block_size)
         # BlockPool.get_usage: used / (num_blocks - 1), the null block left out
@@ -411,6 +398,8 @@ class FakeVllm:
             await self.pause(self.settings.peak_hold_s, scaled=False)
         finally:
             self.engine.end_step()
+        if self.group is not None:
+            await self.group.stepped(self)  # a lost node stalls the step until the timeout
         await self.pause(STEP_GAP_S, scaled=False)
 
     async def drive_load(self, plan: KVPlan) -> None:
@@ -428,9 +417,7 @@ class FakeVllm:
     async def idle(self, seconds: float) -> None:
         end = time.monotonic() + seconds / self.settings.time_scale
         while True:
-            for rank in range(self.scenario.world_size):
-                if self.ledger.lost(rank):
-                    raise GpuLost(rank, "execute-model")
+            self.engine.check_gpus("execute-model")
             left = end - time.monotonic()
             if left <= 0:
                 return
@@ -483,6 +470,8 @@ class FakeVllm:
 
     def report_failure(self, failure: EngineFailure, *, at_startup: bool) -> None:
         c = self.console
+        if self.group is not None and self.group.report_failure(self, failure, at_startup):
+            return  # a headless node's, or the group's own (rendezvous.py)
         who = "EngineCore_DP0" if failure.rank is None else worker_name(self.scenario, failure.rank)
         where = "core.py:718" if self.scenario.world_size == 1 else "multiproc_executor.py:671"
         lines = failure_lines(failure)
@@ -492,28 +481,12 @@ class FakeVllm:
             ["WorkerProc hit an exception." if not at_startup else "WorkerProc failed to start.", *lines],
         )
         if at_startup:
-            c.error_lines("EngineCore_DP0", "core.py:779", ["EngineCore failed to start.", lines[-1]])
-            c.plain(ENGINE_INIT_FAILED, error=True)
+            c.engine_failed_to_start([lines[-1]])
             return
-        c.error_lines(
-            "EngineCore_DP0",
-            "core.py:710",
-            [
-                "EngineCore encountered a fatal error.",
-                f"RuntimeError: Worker failed with error '{failure.message()}', "
-                "please check the stack trace above for the root cause",
-            ],
+        c.engine_died(
+            f"RuntimeError: Worker failed with error '{failure.message()}', "
+            "please check the stack trace above for the root cause"
         )
-        c.error_lines(
-            "APIServer",
-            "async_llm.py:480",
-            [
-                "AsyncLLM output_handler failed.",
-                ENGINE_DEAD,
-            ],
-        )
-        c.plain("INFO:     Shutting down")
-        c.plain(f"INFO:     Finished server process [{self.console.pid}]")
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -534,11 +507,14 @@ class FakeVllm:
                     [("v1/engine/core.py", 500, "__init__", "self._init_executor()")],
                     f"RuntimeError: {failed}",
                 )
-                self.console.error_lines(
-                    "EngineCore_DP0", "core.py:779", ["EngineCore failed to start.", *lines]
-                )
-                self.console.plain(ENGINE_INIT_FAILED, error=True)
+                self.console.engine_failed_to_start(lines)
                 return 1
+            if not self.core:  # a headless node serves no HTTP: it steps with its leader
+                try:
+                    return await self.group.serve_headless(self) if self.group else 0
+                except EngineFailure as failure:
+                    self.report_failure(failure, at_startup=False)
+                    return 1
             try:
                 runner = await self.start_http()
             except OSError as e:
@@ -553,8 +529,9 @@ class FakeVllm:
                 return 1
             return 0  # drive_load only ends by raising
         except _Stopped:
-            self.console.plain("INFO:     Shutting down")
-            self.console.plain(f"INFO:     Finished server process [{self.console.pid}]")
+            if self.core:  # uvicorn's lines; a headless node's process just ends
+                self.console.plain("INFO:     Shutting down")
+                self.console.plain(f"INFO:     Finished server process [{self.console.pid}]")
             return 0
         finally:
             self.serving = False
@@ -583,14 +560,19 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         args.model_tag = args.model  # vLLM: no positional, so --model's value (or its default)
     pid = os.getpid()
     console = Console(pid)
-    console.info(
-        "APIServer",
-        "api_server.py:1805",
-        f"vLLM API server version {VLLM_VERSION} (simulated by rankguard_sim)",
-    )
-    console.info("APIServer", "startup.py:96", f"non-default args: {non_default_args(args)}")
+    if not (args.headless and args.nnodes > 1):  # a headless node runs no API server
+        console.info(
+            "APIServer",
+            "api_server.py:1805",
+            f"vLLM API server version {VLLM_VERSION} (simulated by rankguard_sim)",
+        )
+        console.info("APIServer", "startup.py:96", f"non-default args: {non_default_args(args)}")
     try:
         settings = Settings.from_env(env)
+        refused = check_flags(args)  # vLLM's refusals of --nnodes flags, then the sandbox's
+        if refused is not None:
+            raise ValueError(refused)
+        topo = topology(args, env, settings.time_scale)
     except ValueError as e:
         return _fail(console, f"ValueError: {e}")
     try:
@@ -598,7 +580,9 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         scenario = (
             load_scenario(name)
             if name
-            else find_scenario(args.model_tag, args.tensor_parallel_size, args.pipeline_parallel_size)
+            else find_scenario(
+                args.model_tag, args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes
+            )
         )
         config = config_from_args(scenario, args)
     except (ScenarioError, EngineConfigError) as e:
@@ -607,14 +591,17 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     uuids = select_gpus(env)
     if not root or not uuids:
         return _fail(console, "RuntimeError: No CUDA GPUs are available")
-    if len(uuids) < scenario.world_size:
+    local = scenario.world_size if topo is None else topo.local_world_size
+    if len(uuids) < local:
+        if topo is not None:  # vLLM checks a node's GPUs only on one node: here torch.cuda fails
+            return _fail(console, "RuntimeError: CUDA error: invalid device ordinal")
         return _fail(
             console,
             f"ValueError: World size ({scenario.world_size}) is larger than the number of available GPUs "
             f"({len(uuids)}) in this node.",
         )
     try:
-        ledger = FileLedger(root, uuids[: scenario.world_size], pid=pid)
+        ledger = FileLedger(root, uuids[:local], pid=pid)
     except gpus.SimGpuError as e:
         return _fail(console, f"RuntimeError: CUDA error: invalid device ordinal ({e})")
     atexit.register(ledger.release_all)  # whatever happens below, the GPUs are given back
@@ -627,6 +614,7 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         console=console,
         host=HostMemoryReporter(settings.host_memory_file, pid),
         env=env,
+        group=None if topo is None else Group(topo, env, console, settings.peak_hold_s),
     )
     return asyncio.run(fake.run())
 

@@ -1,7 +1,8 @@
 """The fake vLLM's sandbox side: what it does as a process in a pod, and reading its output back.
 
 Not vLLM's behaviour but the sandbox's: the address a wildcard `--host` binds inside a pod
-(`bind_address`: the pod IP, the stand-in for the pod's network namespace), where the
+(`bind_address`: the pod IP, the stand-in for the pod's network namespace), the host memory
+the process kubelet's OOMKilled decision reads (`HostMemoryReporter`), where the
 engine's `import pynvml` comes from (`engine_pynvml_origin`, printed on a `rankguard-sim:`
 line), and, for tests, reading a container log back: `engine_pynvml(log)` and
 `weight_downloads(log)` (vLLM's own "Time spent downloading weights" lines, one per worker
@@ -10,7 +11,12 @@ that downloaded, rendered from the snapshot's template).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 from rankguard_sim.vllm_snapshot import message_pattern
 
@@ -27,6 +33,32 @@ def bind_address(host: str | None, env: Mapping[str, str]) -> str:
     if host in WILDCARD_HOSTS and pod_ip:
         return pod_ip
     return host or "0.0.0.0"
+
+
+class HostMemoryReporter:
+    """The engine's resident host memory, written where the process kubelet reads it for its
+    OOMKilled decision (RANKGUARD_SIM_HOST_MEMORY_FILE; None: nowhere)."""
+
+    def __init__(self, path: str | None, pid: int) -> None:
+        self.path = Path(path) if path else None
+        self.pid = pid
+        self.peak = 0
+
+    def report(self, rss_bytes: int) -> None:
+        if self.path is None:
+            return
+        self.peak = max(self.peak, rss_bytes)
+        doc = {"pid": self.pid, "rss_bytes": rss_bytes, "peak_rss_bytes": self.peak}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def engine_pynvml_origin() -> tuple[str, str]:

@@ -39,6 +39,10 @@ Where the sandbox differs from a real node, and only here:
   each of its GPUs gets the scenario's `comm_init_bytes` for that rank. With `mig`
   (nodegpus.MigLayout) the node also offers MIG slices as `nvidia.com/mig-<profile>`,
   handed out the same way; the Node carries GPU Feature Discovery's labels.
+* DNS. Each container gets RANKGUARD_SIM_HOSTS_FILE, a hosts-style file this kubelet keeps from
+  the cluster's EndpointSlices (rankguard_sim.kube.dns: `<hostname>.<service>.<namespace>[.svc
+  [.cluster.local]]` of pods with a hostname and subdomain); the fake vLLM resolves
+  `--master-addr` through it. No DNS server: other programs do not read it.
 * Host memory. Each container gets RANKGUARD_SIM_HOST_MEMORY_FILE; a process that
   writes {"pid": …, "rss_bytes": …} there is OOM-killed (SIGKILL to the whole
   container, reason OOMKilled, exit code 137) when rss_bytes exceeds the memory limit.
@@ -71,6 +75,7 @@ from kubernetes import client
 
 from rankguard_agent.gpu.simfiles import pid_alive
 from rankguard_sim.kube.api import Throttled
+from rankguard_sim.kube.dns import ClusterDns
 from rankguard_sim.kubelet.image import build_image
 from rankguard_sim.kubelet.nodegpus import MigLayout, NodeGpus
 from rankguard_sim.kubelet.nodes import heartbeat, register_node
@@ -119,6 +124,8 @@ class ProcessKubelet:
         self.node_name = node_name
         self.workdir = Path(workdir)
         self.gpu_root = Path(gpu_root)
+        self.hosts_file = self.workdir / "dns" / "hosts"  # every container's RANKGUARD_SIM_HOSTS_FILE
+        self._dns: ClusterDns | None = None
         self.gpu_count = gpus
         self.scenario = scenario
         # The sandbox's own knobs for every container (e.g. RANKGUARD_SIM_TIME_SCALE); the
@@ -189,6 +196,8 @@ class ProcessKubelet:
                 resources=self._gpus.mig_resources(),
             ),
         )
+        self._dns = ClusterDns(self._watch_api, self.hosts_file, self._throttle)
+        self._dns.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch.run, "pod-watch")):
             t = threading.Thread(target=target, name=f"kubelet-{self.node_name}-{name}", daemon=True)
             self._threads.append(t)
@@ -206,6 +215,8 @@ class ProcessKubelet:
         self._watch.interrupt()
         for t in self._threads:
             t.join(timeout=30)
+        if self._dns is not None:
+            self._dns.stop()
         with self._lock:
             workers = list(self._workers.values())
         for w in workers:
@@ -338,8 +349,8 @@ class ProcessKubelet:
         self._ips.release(uid)
         self._gpus.release(uid)
 
-    def set_comm_init(self, uuids: list[str]) -> None:
-        self._gpus.set_comm_init(uuids)
+    def set_comm_init(self, uuids: list[str], argv: list[str]) -> None:
+        self._gpus.set_comm_init(uuids, argv)
 
     def worker_done(self, uid: str, worker: object) -> None:
         with self._lock:

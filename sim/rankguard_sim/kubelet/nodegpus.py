@@ -181,9 +181,29 @@ class NodeGpus:
         with contextlib.suppress(OSError):
             simgpus.cleanup_dead(self.root)
 
-    def set_comm_init(self, uuids: list[str]) -> None:
-        """The world's fact for each rank: what CUDA context + NCCL cost on that GPU."""
+    def set_comm_init(self, uuids: list[str], argv: list[str] | None = None) -> None:
+        """The world's fact for each rank: what CUDA context + NCCL cost on that GPU.
+
+        The pod's i-th GPU is rank i, or, for a node of a multi-node vLLM (`vllm serve …
+        --node-rank r` in the container's command line), global rank r × len(uuids) + i.
+        """
         if self.scenario is None:
             return
-        for rank, uuid in enumerate(uuids):
-            simgpus.set_comm_init_bytes(self.root, uuid, int(self.scenario.comm_init_bytes(rank)))
+        first = node_rank(argv or []) * len(uuids)
+        for i, uuid in enumerate(uuids):
+            simgpus.set_comm_init_bytes(self.root, uuid, int(self.scenario.comm_init_bytes(first + i)))
+
+
+def node_rank(argv: list[str]) -> int:
+    """`--node-rank` (or `-r`) of a `vllm serve` command line, wherever it is in the argv (the
+    agent's launcher runs `… -- vllm serve …`); 0 when absent or not a number."""
+    if "serve" not in argv:
+        return 0
+    found = "0"
+    args = argv[argv.index("serve") :]
+    for i, arg in enumerate(args):
+        if arg in ("--node-rank", "--node_rank", "-r") and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(("--node-rank=", "--node_rank=")):
+            found = arg.split("=", 1)[1]
+    return int(found) if found.isdigit() else 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rankguard_agent.gpu.simfiles import VISIBLE_DEVICES_ENV
+from rankguard_sim.kube.dns import HOSTS_FILE_ENV
 from rankguard_sim.kubelet.podmeta import meta_of, pod_key, spec_of
 from rankguard_sim.kubelet.podnode import PodNode
 from rankguard_sim.kubelet.podproc import ContainerProcess, Exit
@@ -225,6 +226,7 @@ class PodContainers(threading.Thread):
         env[HOST_MEMORY_ENV] = str(memory_file)
         env.update({name: pm.env_value(value) for name, value in pod_env.items()})
         env[POD_IP_ENV] = self.pod_ip  # the "network namespace": not the pod spec's to change
+        env[HOSTS_FILE_ENV] = str(k.hosts_file)  # its "resolv.conf": the cluster DNS (kube/dns.py)
         working = slot.spec.get("workingDir")
         cwd = Path(pm.path(str(working))) if working else self.dir / "rootfs"
         if not cwd.is_dir():
@@ -249,7 +251,7 @@ class PodContainers(threading.Thread):
                 )
                 slot.restart_at = now + 1.0  # the kubelet retries config errors on its next sync
             return
-        self.kubelet.set_comm_init(slot.gpus)
+        self.kubelet.set_comm_init(slot.gpus, argv)
         termination_file.write_bytes(b"")  # a fresh, empty file per container instance
         with contextlib.suppress(FileNotFoundError):
             memory_file.unlink()

@@ -19,6 +19,7 @@ class PodNode(Protocol):
     allocatable: dict[str, str]
     workdir: Path
     gpu_root: Path
+    hosts_file: Path
     image: ImageTable
     image_bin: Path
     scenario: str | None
@@ -39,7 +40,7 @@ class PodNode(Protocol):
 
     def acquire_ip(self, uid: str) -> str: ...
 
-    def set_comm_init(self, uuids: list[str]) -> None: ...
+    def set_comm_init(self, uuids: list[str], argv: list[str]) -> None: ...
 
     def release_pod(self, uid: str) -> None: ...
 

@@ -44,6 +44,7 @@ class EngineConfig:
     enforce_eager: bool
     disable_custom_all_reduce: bool
     max_model_len_auto: bool = False  # --max-model-len auto / -1: fit to the KV cache memory
+    nnodes: int = 1  # --nnodes: the nodes (pods) the world spans
 
     @property
     def dtype_bytes_override(self) -> int | None:
@@ -66,6 +67,7 @@ def engine_config(
     enforce_eager: bool = False,
     disable_custom_all_reduce: bool = False,
     allow_long_max_model_len: bool = False,
+    nnodes: int | None = None,
 ) -> EngineConfig:
     """Fill vLLM's defaults for this scenario's GPU and check what vLLM checks at config time."""
     tp = scenario.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
@@ -74,6 +76,12 @@ def engine_config(
         raise EngineConfigError(
             f"scenario {scenario.name} describes TP{scenario.tensor_parallel_size}×"
             f"PP{scenario.pipeline_parallel_size}; the simulated world has no measurements for TP{tp}×PP{pp}"
+        )
+    nodes = scenario.nnodes if nnodes is None else nnodes
+    if nodes != scenario.nnodes:
+        raise EngineConfigError(
+            f"scenario {scenario.name} describes its world over {scenario.nnodes} node(s); the "
+            f"simulated world has no measurements for it over {nodes}"
         )
     util = (
         scenario.defaults.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
@@ -130,4 +138,5 @@ def engine_config(
         enforce_eager=enforce_eager,
         disable_custom_all_reduce=disable_custom_all_reduce,
         max_model_len_auto=auto,
+        nnodes=nodes,
     )

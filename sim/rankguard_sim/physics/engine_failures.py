@@ -50,7 +50,9 @@ def torch_allocation_size(nbytes: int) -> int:
 
 
 class EngineFailure(Exception):
-    """The engine stops; `rank` is the rank (local GPU index) that caused it, if one did."""
+    """The engine stops; `rank` is the (global) rank that caused it, if one did. Its GPU is the
+    process's `device` (PyTorch's "GPU i", `cuda:i`), the rank itself unless the world spans
+    nodes (then the rank's local index on its node)."""
 
     reason = "EngineError"
 
@@ -92,8 +94,10 @@ class CudaOutOfMemory(EngineFailure):
         private_pools: int,
         others: Sequence[tuple[int, int]] = (),
         what: str = "",
+        device: int | None = None,
     ) -> None:
         super().__init__(rank, phase)
+        self.device = rank if device is None else device
         self.what = what  # the ledger tag being allocated (weights, kv_cache, logits, ...)
         self.nbytes = nbytes
         self.tried = torch_allocation_size(nbytes)
@@ -121,7 +125,7 @@ class CudaOutOfMemory(EngineFailure):
         )
         return (
             f"CUDA out of memory. Tried to allocate {format_size(self.tried)}. "
-            f"GPU {self.rank} has a total capacity of {format_size(self.total)} of which "
+            f"GPU {self.device} has a total capacity of {format_size(self.total)} of which "
             f"{format_size(self.free)} is free. {others}Including non-PyTorch memory, this process has "
             f"{format_size(self.process_bytes)} memory in use. Of the allocated memory "
             f"{format_size(self.torch_allocated)} is allocated by PyTorch, {pools}and "
@@ -147,6 +151,7 @@ class SamplerWarmupOOM(CudaOutOfMemory):
             private_pools=oom.private_pools,
             others=oom.others,
             what=oom.what,
+            device=oom.device,
         )
         self.num_reqs = num_reqs
 
@@ -162,8 +167,18 @@ class StartupFreeMemoryError(EngineFailure):
 
     reason = STARTUP_FREE_MEMORY
 
-    def __init__(self, rank: int, *, free: int, total: int, utilization: float, requested: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        *,
+        free: int,
+        total: int,
+        utilization: float,
+        requested: int,
+        device: int | None = None,
+    ) -> None:
         super().__init__(rank, "init-device")
+        self.device = rank if device is None else device
         self.free = free
         self.total = total
         self.utilization = utilization
@@ -180,7 +195,7 @@ class StartupFreeMemoryError(EngineFailure):
     def message(self) -> str:
         return message(
             "startup_free_too_low",
-            f"cuda:{self.rank}",
+            f"cuda:{self.device}",
             format_gib(self.free),
             format_gib(self.total),
             self.utilization,

@@ -91,6 +91,10 @@ def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
                 continue
             if c.scales_with == "max_num_batched_tokens":
                 nbytes = nbytes * config.max_num_batched_tokens // scenario.defaults.max_num_batched_tokens
+            elif c.scales_with == "max_num_seqs":
+                d = scenario.defaults
+                dummy = min(config.max_num_seqs, config.max_num_batched_tokens)
+                nbytes = nbytes * dummy // min(d.max_num_seqs, d.max_num_batched_tokens)
             elif c.scales_with == "dtype":
                 nbytes = nbytes * dtype_bytes // model_dtype
             phases[c.phase] += nbytes
@@ -118,7 +122,8 @@ def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
 
 
 class Ledger(Protocol):
-    """What the engine can see of its GPUs: one process, rank i on the pod's i-th GPU."""
+    """What the engine can see of its GPUs: one process, its i-th rank on the pod's i-th GPU
+    (global rank i, unless the world spans nodes)."""
 
     def total(self, rank: int) -> int: ...
 
@@ -246,53 +251,74 @@ class EngineMemoryModel:
     compile_or_warm_up_model captures CUDA graphs, then warms the sampler on the last
     pipeline stage), vllm/v1/core/kv_cache_utils.py (the engine core takes the minimum of
     the workers' block counts), and reference/vllm-memory-facts.md.
+
+    `ranks`: the global ranks this process holds, on its ledger's GPUs 0, 1, … in that order
+    (one node of a world over several, `Scenario.node_ranks`); None is every rank. The KV plan
+    is always the whole world's (`plan_kv` takes every rank's available memory).
     """
 
-    def __init__(self, scenario: Scenario, config: EngineConfig, ledger: Ledger) -> None:
+    def __init__(
+        self, scenario: Scenario, config: EngineConfig, ledger: Ledger, ranks: Sequence[int] | None = None
+    ) -> None:
         self.scenario = scenario
         self.config = config
         self.ledger = ledger
-        self.ranks = rank_memory(scenario, config)
+        self.all_ranks = rank_memory(scenario, config)
+        held = range(scenario.world_size) if ranks is None else ranks
+        self.ranks = [self.all_ranks[r] for r in held]
+        self._device = {m.rank: i for i, m in enumerate(self.ranks)}  # global rank -> ledger GPU
         self.plan: KVPlan | None = None
-        self.snapshot_free: list[int] = []  # free memory per rank at vLLM's memory snapshot
-        self.requested: list[int] = []
+        self.snapshot_free: list[int] = []  # free memory per held rank at vLLM's memory snapshot
+        self.requested: list[int] = []  # per held rank, total × utilisation
         self.serving_started = False
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
+    def device(self, rank: int) -> int:
+        """The GPU (ledger index, PyTorch's local "GPU i") that holds global rank `rank`."""
+        return self._device[rank]
+
     # -- allocation ---------------------------------------------------------------------------
 
     def _allocate(self, rank: int, tag: str, nbytes: int, phase: str) -> None:
-        if self.ledger.lost(rank):
+        dev = self._device[rank]
+        if self.ledger.lost(dev):
             raise GpuLost(rank, phase)
         if nbytes <= 0:
             return
-        free = self.ledger.free(rank)
+        free = self.ledger.free(dev)
         if nbytes > free:
-            held = {t: self.ledger.held(rank, t) for t in ALL_TAGS}
+            held = {t: self.ledger.held(dev, t) for t in ALL_TAGS}
             raise CudaOutOfMemory(
                 rank,
                 phase,
                 nbytes=nbytes,
                 free=free,
-                total=self.ledger.total(rank),
+                total=self.ledger.total(dev),
                 process_bytes=sum(held.values()),
                 torch_allocated=sum(held[t] for t in _TORCH_TAGS),
                 private_pools=held[TAG_GRAPHS],
-                others=self.ledger.others(rank),
+                others=self.ledger.others(dev),
                 what=tag,
+                device=dev,
             )
-        self.ledger.hold(rank, tag, self.ledger.held(rank, tag) + nbytes)
+        self.ledger.hold(dev, tag, self.ledger.held(dev, tag) + nbytes)
 
     def _release(self, rank: int, tag: str) -> None:
-        self.ledger.hold(rank, tag, 0)
+        self.ledger.hold(self._device[rank], tag, 0)
 
     def release_all(self) -> None:
-        for rank in range(self.world_size):
+        for m in self.ranks:
             for tag in ALL_TAGS:
-                self._release(rank, tag)
+                self._release(m.rank, tag)
+
+    def check_gpus(self, phase: str) -> None:
+        """GpuLost for the first held rank whose GPU has fallen off the bus."""
+        for m in self.ranks:
+            if self.ledger.lost(self._device[m.rank]):
+                raise GpuLost(m.rank, phase)
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -304,7 +330,7 @@ class EngineMemoryModel:
         """
         for m in self.ranks:
             for name, nbytes in m.others:
-                self.ledger.start_other(m.rank, name, nbytes)
+                self.ledger.start_other(self._device[m.rank], name, nbytes)
 
     def init_devices(self) -> None:
         """CUDA context, NCCL communicators, custom all-reduce and NVLS buffers."""
@@ -318,11 +344,11 @@ class EngineMemoryModel:
         it), so a pinned budget also needs a utilisation the free memory can satisfy.
         """
         requested = []
-        self.snapshot_free = [self.ledger.free(m.rank) for m in self.ranks]
-        for m in self.ranks:
-            total = self.ledger.total(m.rank)
+        self.snapshot_free = [self.ledger.free(self._device[m.rank]) for m in self.ranks]
+        for i, m in enumerate(self.ranks):
+            total = self.ledger.total(i)
             want = math.ceil(total * self.config.gpu_memory_utilization)
-            free = self.snapshot_free[m.rank]
+            free = self.snapshot_free[i]
             if free < want:
                 raise StartupFreeMemoryError(
                     m.rank,
@@ -330,6 +356,7 @@ class EngineMemoryModel:
                     total=total,
                     utilization=self.config.gpu_memory_utilization,
                     requested=want,
+                    device=i,
                 )
             requested.append(want)
         self.requested = requested
@@ -348,8 +375,23 @@ class EngineMemoryModel:
             for m in self.ranks:
                 self._release(m.rank, TAG_PROFILE)
 
+    def available_kv(self, requested: Sequence[int]) -> list[int]:
+        """What each held rank's worker reports as its available KV memory (`requested` per held
+        rank, as check_free_memory returns it)."""
+        cfg = self.config
+        if cfg.kv_cache_memory_bytes is not None:
+            return [cfg.kv_cache_memory_bytes for _ in self.ranks]
+        return [
+            want - (m.weights + m.profile_peak + m.cuda_graph)
+            for want, m in zip(requested, self.ranks, strict=True)
+        ]
+
     def determine_kv(self, requested: Sequence[int]) -> KVPlan:
-        """Each worker's available KV memory, then the engine core's plan (kv_cache_planning.py).
+        """The plan of a process that holds every rank: `plan_kv` over its own workers' figures."""
+        return self.plan_kv(self.available_kv(requested), requested)
+
+    def plan_kv(self, available: Sequence[int], requested: Sequence[int]) -> KVPlan:
+        """The engine core's plan from every rank's available KV memory (kv_cache_planning.py).
 
         vLLM 0.33 reserves the null block before its checks: each worker's memory minus one
         block's bytes (all its layers' pages) must hold one max_model_len request
@@ -359,25 +401,18 @@ class EngineMemoryModel:
         """
         cfg = self.config
         pinned = cfg.kv_cache_memory_bytes is not None
-        available = []
-        for m in self.ranks:
-            if pinned:
-                assert cfg.kv_cache_memory_bytes is not None
-                avail = cfg.kv_cache_memory_bytes
-            else:
-                avail = requested[m.rank] - (m.weights + m.profile_peak + m.cuda_graph)
-            available.append(avail)
+        ranks = self.all_ranks  # `available` and `requested` are every rank's, in rank order
         nulls = null_blocks()
-        check = [avail - nulls * m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
+        check = [avail - nulls * m.block_bytes for avail, m in zip(available, ranks, strict=True)]
         max_model_len = cfg.max_model_len
         if cfg.max_model_len_auto:
-            fits = min((c // m.block_bytes) * cfg.block_size for c, m in zip(check, self.ranks, strict=True))
+            fits = min((c // m.block_bytes) * cfg.block_size for c, m in zip(check, ranks, strict=True))
             if fits <= 0:
-                worst = min(range(self.world_size), key=lambda r: check[r])
+                worst = min(range(len(ranks)), key=lambda r: check[r])
                 raise NoKVCacheMemory(worst, check[worst])
             max_model_len = min(max_model_len, fits)
         per_request = math.ceil(max_model_len / cfg.block_size)
-        for m, c in zip(self.ranks, check, strict=True):
+        for m, c in zip(ranks, check, strict=True):
             if c <= 0:
                 raise NoKVCacheMemory(m.rank, c)
             if per_request * m.block_bytes > c:
@@ -388,13 +423,13 @@ class EngineMemoryModel:
                     available=c,
                     estimated=min(max_model_len, (c // m.block_bytes) * cfg.block_size),
                 )
-        blocks = [avail // m.block_bytes for avail, m in zip(available, self.ranks, strict=True)]
+        blocks = [avail // m.block_bytes for avail, m in zip(available, ranks, strict=True)]
         num_blocks = min(blocks)
         self.plan = KVPlan(
             available=tuple(available),
             requested=tuple(requested),
             num_gpu_blocks=num_blocks,
-            kv_bytes=tuple(num_blocks * m.block_bytes for m in self.ranks),
+            kv_bytes=tuple(num_blocks * m.block_bytes for m in ranks),
             block_size=cfg.block_size,
             pinned=pinned,
             max_model_len=max_model_len,
@@ -412,27 +447,27 @@ class EngineMemoryModel:
         """
         if self.plan is None or self.plan.pinned:
             return None
-        m = self.ranks[rank]
+        m, i = self.all_ranks[rank], self._device[rank]
         graphs = 0 if self.config.enforce_eager else m.cuda_graph
         peak = m.profile_peak + graphs
         non_kv = m.weights + peak + graphs
         return WorkerMemoryReport(
-            init_free=self.snapshot_free[rank],
-            total=self.ledger.total(rank),
+            init_free=self.snapshot_free[i],
+            total=self.ledger.total(i),
             utilization=self.config.gpu_memory_utilization,
-            requested=self.requested[rank],
+            requested=self.requested[i],
             total_consumed=m.weights,
             peak_activation=peak,
             cuda_graph=graphs,
-            kv_to_requested_limit=int(self.requested[rank]) - non_kv - REDUNDANCY_BUFFER_BYTES,
-            kv_to_gpu_limit=self.snapshot_free[rank] - non_kv - REDUNDANCY_BUFFER_BYTES,
+            kv_to_requested_limit=int(self.requested[i]) - non_kv - REDUNDANCY_BUFFER_BYTES,
+            kv_to_gpu_limit=self.snapshot_free[i] - non_kv - REDUNDANCY_BUFFER_BYTES,
             available_kv=self.plan.available[rank],
         )
 
     def allocate_kv(self) -> None:
         assert self.plan is not None, "determine_kv first"
-        for m, nbytes in zip(self.ranks, self.plan.kv_bytes, strict=True):
-            self._allocate(m.rank, TAG_KV, nbytes, "initialize-kv-cache")
+        for m in self.ranks:
+            self._allocate(m.rank, TAG_KV, self.plan.kv_bytes[m.rank], "initialize-kv-cache")
 
     def capture_cuda_graphs(self) -> None:
         for m in self.ranks:
@@ -464,7 +499,7 @@ class EngineMemoryModel:
         """One decode step's logits for `running_seqs` sequences (held until end_step)."""
         self.start_serving()
         for m in self.ranks:
-            if self.ledger.lost(m.rank):
+            if self.ledger.lost(self._device[m.rank]):
                 raise GpuLost(m.rank, "execute-model")
             self._allocate(m.rank, TAG_TRANSIENT, m.transient(running_seqs), "execute-model")
 

@@ -26,7 +26,9 @@ GIB = 1 << 30
 # the workers start (the API server / engine core touching cuda:0): outside vLLM's budget.
 PHASES = ("other_process", "init", "weights", "profile", "cuda_graph", "serving")
 LOGITS_MODES = ("gather", "all_gather")
-SCALES_WITH = ("max_num_batched_tokens", "dtype")
+# "max_num_seqs": bytes at the defaults' dummy requests, min(max_num_seqs, max_num_batched_tokens),
+# scaled by the flags' (the last pipeline stage's dummy sampler in profile_run)
+SCALES_WITH = ("max_num_batched_tokens", "dtype", "max_num_seqs")
 DISABLED_BY = ("disable_custom_all_reduce", "enforce_eager")
 
 
@@ -209,10 +211,22 @@ class Scenario:
     model_config: Mapping[str, Any] | None = None
     # How long that "download" takes (unscaled seconds = the real checkpoint's bytes / rate).
     download: DownloadSpec = field(default_factory=DownloadSpec)
+    # The nodes (pods) the world spans (vLLM's --nnodes): node r holds global ranks
+    # r × local_world_size … (r + 1) × local_world_size − 1, on its own GPUs 0, 1, …
+    nnodes: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node_rank: int) -> range:
+        """The global ranks node `node_rank` holds (vLLM: node_rank × local_world_size + local rank)."""
+        first = node_rank * self.local_world_size
+        return range(first, first + self.local_world_size)
 
     def pp_rank(self, rank: int) -> int:
         return rank // self.tensor_parallel_size

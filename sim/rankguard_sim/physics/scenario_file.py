@@ -197,9 +197,12 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
     t = r.sub("topology")
     tp = t.integer("tensor_parallel_size", 1)
     pp = t.integer("pipeline_parallel_size", 1)
+    nnodes = t.integer("nnodes", 1, default=1)
     topology_source = t.source()
     t.done()
     world = tp * pp
+    if world % nnodes:
+        raise ScenarioError(f"{where}.topology: {nnodes} nodes cannot split a world of {world} ranks evenly")
     if pp > model.num_layers:
         raise ScenarioError(f"{where}.topology: {pp} pipeline stages for {model.num_layers} layers")
 
@@ -288,6 +291,7 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         path=path,
         model_config=model_config,
         download=download,
+        nnodes=nnodes,
     )
     _check_fits_at_rest(scenario, where)
     return scenario
@@ -363,8 +367,10 @@ def load_scenario(name_or_path: str | os.PathLike[str]) -> Scenario:
     return parse_scenario(doc, where=path.name, path=str(path))
 
 
-def find_scenario(model: str, tensor_parallel_size: int, pipeline_parallel_size: int) -> Scenario:
-    """The one built-in scenario for this model and topology (when none was named)."""
+def find_scenario(
+    model: str, tensor_parallel_size: int, pipeline_parallel_size: int, nnodes: int = 1
+) -> Scenario:
+    """The one built-in scenario for this model and topology, its nodes included (when none was named)."""
     found = []
     for name in builtin_names():
         s = load_scenario(name)
@@ -372,12 +378,14 @@ def find_scenario(model: str, tensor_parallel_size: int, pipeline_parallel_size:
             s.model.matches(model)
             and s.tensor_parallel_size == tensor_parallel_size
             and s.pipeline_parallel_size == pipeline_parallel_size
+            and s.nnodes == nnodes
         ):
             found.append(s)
     if len(found) != 1:
         what = "no" if not found else "more than one"
+        nodes = f" over {nnodes} nodes" if nnodes != 1 else ""
         raise ScenarioError(
-            f"{what} built-in scenario for {model} at TP{tensor_parallel_size}×PP{pipeline_parallel_size}; "
-            f"set {SCENARIO_ENV} to one of: {', '.join(builtin_names())}"
+            f"{what} built-in scenario for {model} at TP{tensor_parallel_size}×PP{pipeline_parallel_size}"
+            f"{nodes}; set {SCENARIO_ENV} to one of: {', '.join(builtin_names())}"
         )
     return found[0]

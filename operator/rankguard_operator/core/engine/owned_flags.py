@@ -51,6 +51,33 @@ OWNED: dict[str, str | None] = {
 }
 
 
+# What rankguard renders on each pod of a group (spec.distributed): vLLM dest -> the field.
+GROUP_OWNED: dict[str, str] = {
+    "nnodes": "spec.distributed.podsPerGroup",
+    "node_rank": "spec.distributed (each pod's node rank comes from its index)",
+    "master_addr": "spec.distributed (the leader pod's name in the group's headless Service)",
+    "master_port": "spec.distributed.rendezvousPort",
+    "headless": "spec.distributed (every pod but the leader runs headless)",
+    "distributed_timeout_seconds": "spec.distributed.timeoutSeconds",
+}
+
+
+def check_group_args(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
+    """One sentence per extraArgs item that sets what a group's pods get from spec.distributed."""
+    messages = []
+    seen: set[str] = set()
+    for i, word in cli.walk(extra_args)[0]:
+        o = word.option
+        if o is not None and o.dest in GROUP_OWNED and o.dest not in seen:
+            seen.add(o.dest)
+            flag = word.key if word.key == o.name else f"{word.key} (vLLM reads it as {o.name})"
+            messages.append(
+                f"spec.engine.extraArgs[{i}] {flag} is set by rankguard on every pod of a group; "
+                f"use {GROUP_OWNED[o.dest]} instead"
+            )
+    return messages
+
+
 def owned_spellings(cli: VllmCli) -> dict[str, str]:
     """Every spelling of every owned option in this vLLM -> its dest."""
     return {s: dest for dest in OWNED for s in cli.spellings(dest)}

@@ -33,19 +33,23 @@ _DP = (
     "spec.replicas (the Service balances them)"
 )
 _MULTI_NODE = (
-    "multi-node serving is not supported yet: one pod waits forever for nodes that never join; "
-    "run the model within one pod"
+    "rankguard renders vLLM's multi-node flags on every pod of a group itself: set "
+    "spec.distributed.podsPerGroup to serve the model across pods"
 )
 _TLS = (
     "TLS at vLLM is not supported: the probes, the Service and the agent speak plain HTTP to it; "
     "terminate TLS at an Ingress, a Gateway or a service mesh"
 )
-_RAY = "a Ray executor places ranks where rankguard cannot see them; rankguard runs vLLM's mp executor"
+_RAY = (
+    "a Ray executor places ranks on pods of its own choosing, so which pod holds which rank (and "
+    "which rank ran out of memory) cannot be computed; rankguard runs vLLM's mp executor, across "
+    "pods with spec.distributed"
+)
 
 # dest -> why a rankguard pod cannot run with it turned on
 REFUSED: dict[str, str] = {
     HELP: "prints the help and exits: the container would restart forever",
-    "headless": f"starts no API server: {_NO_HTTP}",
+    "headless": f"starts no API server: {_NO_HTTP} (spec.distributed runs a group's other pods headless)",
     "grpc": f"serves gRPC instead of HTTP: {_NO_HTTP}",
     "grpc_port": f"belongs to the gRPC front end: {_NO_HTTP}",
     "uds": f"listens on a unix socket instead of the port: {_NO_HTTP}",

@@ -1,5 +1,8 @@
 """Which pods an LLMService trusts: those its own Deployment made, by the owner chain.
 
+A multi-node service's pods (spec.distributed) are made by StatefulSets instead: such a pod
+counts when its controller is a StatefulSet whose controller is X.
+
 Labels are not a trust boundary: anyone who may create a pod in the namespace can give it
 rankguard's labels, and a pod's termination message and its agent's `/report` drive the KV
 budget. So a pod counts for LLMService X only when its controller is a ReplicaSet whose
@@ -17,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-IgnoredReason = Literal["no-owner", "foreign-owner", "unknown-replicaset", "no-deployment"]
+IgnoredReason = Literal[
+    "no-owner", "foreign-owner", "unknown-replicaset", "no-deployment", "unknown-statefulset"
+]
 
 
 @dataclass(frozen=True)
@@ -45,23 +50,43 @@ def owned_deployment_uid(deployment: Mapping[str, Any] | None, service_uid: str)
     return str(uid) if uid else None
 
 
+def owned_statefulsets(
+    statefulsets: Sequence[Mapping[str, Any]], service_uid: str
+) -> list[Mapping[str, Any]]:
+    """The StatefulSets whose controller is the LLMService with `service_uid`."""
+    return [s for s in statefulsets if service_uid and controller_of(s) == ("LLMService", service_uid)]
+
+
 def trusted_pods(
     pods: Sequence[Mapping[str, Any]],
     replicaset_owner: Mapping[str, str],
     deployment: Mapping[str, Any] | None,
     service_uid: str,
+    statefulsets: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[Mapping[str, Any]], list[Ignored]]:
     """Split `pods` (found by rankguard's labels) into those whose owner chain leads to the
     LLMService and those to ignore. `replicaset_owner` maps a ReplicaSet's UID to its
-    controller Deployment's UID (the ReplicaSets carrying rankguard's labels)."""
+    controller Deployment's UID (the ReplicaSets carrying rankguard's labels); `statefulsets`
+    are the StatefulSets carrying rankguard's labels (a multi-node service's groups)."""
     deployment_uid = owned_deployment_uid(deployment, service_uid)
+    sets = {
+        str((s.get("metadata") or {}).get("uid") or "") for s in owned_statefulsets(statefulsets, service_uid)
+    }
+    watched = {str((s.get("metadata") or {}).get("uid") or "") for s in statefulsets}
     trusted: list[Mapping[str, Any]] = []
     ignored: list[Ignored] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         name, uid = str(meta.get("name") or ""), str(meta.get("uid") or "")
         owner = controller_of(pod)
-        if owner is None or owner[0] != "ReplicaSet":
+        if owner is not None and owner[0] == "StatefulSet":
+            if owner[1] in sets:
+                trusted.append(pod)
+            else:
+                # a set the watch has not delivered yet counts from the pass after it arrives
+                reason: IgnoredReason = "foreign-owner" if owner[1] in watched else "unknown-statefulset"
+                ignored.append(Ignored(name, uid, reason))
+        elif owner is None or owner[0] != "ReplicaSet":
             ignored.append(Ignored(name, uid, "no-owner"))
         elif deployment_uid is None:
             # no Deployment of ours (yet, or it was replaced): no pod can be vouched for

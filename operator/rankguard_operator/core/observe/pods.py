@@ -22,7 +22,13 @@ from typing import Any, Literal
 from rankguard_agent.wire import termination as tm
 from rankguard_agent.wire.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.names import FLAGS_ANNOTATION, TEMPLATE_HASH_ANNOTATION, VLLM_CONTAINER
+from rankguard_operator.core.names import (
+    FLAGS_ANNOTATION,
+    GROUP_LABEL,
+    ROLE_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
+    VLLM_CONTAINER,
+)
 from rankguard_operator.core.units import parse_iso
 
 TerminationKind = Literal["CUDAOutOfMemory", "KVCacheTooSmall", "OOMKilled", "EngineError", "Other"]
@@ -140,16 +146,17 @@ def _kv_bytes_from_line(line: str | None) -> int | None:
     return None
 
 
-def _from_log_tail(text: str, reason: str, exit_code: int | None) -> dict[str, Any]:
+def _from_log_tail(text: str, reason: str, exit_code: int | None, *, group_pod: bool) -> dict[str, Any]:
     """A termination message that is not rankguard's JSON: the kubelet's log tail (the launcher
     died before writing, or an older image). Recognise a CUDA OOM or KV refusal in it, line by
-    line from the end, with the agent's own recognisers; else classify by exit code."""
+    line from the end, with the agent's own recognisers; else classify by exit code. PyTorch's
+    "GPU i" is the pod's own device: the rank on one pod, but not on a group's pod (no rank)."""
     for line in reversed(text.splitlines()):
         seen = recognise(line)
         if isinstance(seen, CudaOom):
             return {
                 "kind": CUDA_OOM,
-                "rank": seen.gpu_index,
+                "rank": None if group_pod else seen.gpu_index,
                 "requested_bytes": seen.requested_bytes,
                 "free_bytes": seen.free_bytes,
                 "total_bytes": seen.total_bytes,
@@ -164,7 +171,7 @@ def _from_log_tail(text: str, reason: str, exit_code: int | None) -> dict[str, A
     return {"kind": OTHER if stopped else ENGINE_ERROR, "message": tail}
 
 
-def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
+def _classify(terminated: Mapping[str, Any], *, group_pod: bool = False) -> dict[str, Any]:
     reason = str(terminated.get("reason") or "")
     exit_code = terminated.get("exitCode")
     code = exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None
@@ -173,7 +180,7 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
     try:
         msg = tm.parse_termination_message(text)
     except tm.TerminationError:
-        info = _from_log_tail(text, reason, code)
+        info = _from_log_tail(text, reason, code, group_pod=group_pod)
     else:
         kinds: dict[str, TerminationKind] = {
             tm.CUDA_OOM: CUDA_OOM,
@@ -182,7 +189,8 @@ def _classify(terminated: Mapping[str, Any]) -> dict[str, Any]:
         }
         info = {
             "kind": kinds.get(msg.reason, OTHER),
-            "rank": msg.rank if msg.rank is not None else msg.gpu_index,
+            # a group pod's agent writes the global rank; its gpu_index is a device of that pod
+            "rank": msg.rank if msg.rank is not None else (msg.gpu_index if msg.nnodes is None else None),
             "requested_bytes": msg.requested_bytes,
             "free_bytes": msg.free_bytes,
             "total_bytes": msg.total_bytes,
@@ -208,6 +216,9 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
     uid = str(get_path(pod, "metadata", "uid") or "")
     name = str(get_path(pod, "metadata", "name") or "")
     flags = pod_flags(pod)
+    group_pod = get_path(pod, "metadata", "labels", GROUP_LABEL) is not None or (
+        get_path(pod, "metadata", "labels", ROLE_LABEL) is not None
+    )
     out: list[Termination] = []
     for cs in get_path(pod, "status", "containerStatuses") or []:
         if not isinstance(cs, Mapping) or cs.get("name") != container:
@@ -227,7 +238,7 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
                     container=container,
                     restart_count=run,
                     flags=flags,
-                    **_classify(terminated),
+                    **_classify(terminated, group_pod=group_pod),
                 )
             )
     return out

@@ -21,7 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION, check_extra_args
+from rankguard_operator.core.engine.owned_flags import (
+    RUNTIME_QUANTIZATION,
+    check_extra_args,
+    check_group_args,
+)
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.surface import block_size_problem, check_host_memory, check_surface
 from rankguard_operator.core.spec.crd import (
@@ -42,6 +46,7 @@ from rankguard_operator.core.spec.crd import (
     MIN_PINNED_KV_BYTES,
     SHAPE_OVERRIDE_KEYS,
 )
+from rankguard_operator.core.spec.distributed import DistributedSpec, parse_distributed
 from rankguard_operator.core.spec.fields import (
     SpecError,
     bool_field,
@@ -61,7 +66,7 @@ from rankguard_operator.core.spec.pod import (
     parse_model_cache,
     parse_resources,
 )
-from rankguard_operator.core.spec.template import PodTemplate, parse_template
+from rankguard_operator.core.spec.template import PodTemplate, parse_template, vllm_env_names
 
 
 @dataclass(frozen=True)
@@ -127,11 +132,21 @@ class ServiceSpec:
     listen_address: str = LISTEN_ADDRESSES[0]
     model_cache: ModelCacheSpec | None = None
     template: PodTemplate = field(default_factory=PodTemplate)
+    distributed: DistributedSpec | None = None  # None: one pod per replica
 
     @property
     def world_size(self) -> int:
-        """GPUs per replica (one pod): tensorParallelSize × pipelineParallelSize."""
+        """GPUs per replica (one pod, or one group of pods): tensorParallelSize × pipelineParallelSize."""
         return self.tp * self.pp
+
+    @property
+    def pods_per_replica(self) -> int:
+        return 1 if self.distributed is None else self.distributed.pods_per_group
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs each serving pod asks for: the world size, or its share of the group."""
+        return self.world_size // self.pods_per_replica
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,6 +352,10 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     rules = rules_for_image(image)
     cli = rules.cli
     problems = check_extra_args(engine.extra_args, cli)
+    agent = parse_agent(spec)
+    distributed = parse_distributed(spec, tp, pp, agent.port)
+    if distributed is not None:
+        problems += check_group_args(engine.extra_args, cli)
     if engine.block_size is not None:
         block = block_size_problem(rules.snapshot.surface, engine.block_size, rules.version, BLOCK_SIZES)
         problems += [block] if block else []
@@ -344,10 +363,16 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     # launcher, rules vLLM checks before it loads anything, more host memory than the limit
     problems = problems or check_surface(engine.extra_args, cli, tp, pp)
     resources = parse_resources(spec)
-    problems = problems or check_host_memory(engine.extra_args, cli, tp * pp, resources.memory_limit_bytes)
+    gpus_per_pod = tp * pp // (1 if distributed is None else distributed.pods_per_group)
+    problems = problems or check_host_memory(
+        engine.extra_args, cli, gpus_per_pod, resources.memory_limit_bytes
+    )
     if problems:
         raise SpecError("; ".join(problems))
     cache = parse_model_cache(spec)
+    template = parse_template(spec.get("template"), cache.mount_path if cache is not None else None)
+    if distributed is not None:
+        _check_group_env(template, distributed)
     return ServiceSpec(
         model=model,
         image=image,
@@ -357,9 +382,28 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         engine=engine,
         memory=memory,
         remediation=_parse_remediation(spec, memory),
-        agent=parse_agent(spec),
+        agent=agent,
         resources=resources,
         listen_address=choice_field(spec, "listenAddress", "spec", LISTEN_ADDRESSES[0], LISTEN_ADDRESSES),
         model_cache=cache,
-        template=parse_template(spec.get("template"), cache.mount_path if cache is not None else None),
+        template=template,
+        distributed=distributed,
     )
+
+
+# The env rankguard sets on a group's vLLM containers (core/render/group), and with
+# spec.distributed.networkInterface the interface NCCL and Gloo use.
+GROUP_ENV = ("VLLM_HOST_IP", "RANKGUARD_NODE_RANK")
+INTERFACE_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def _check_group_env(template: PodTemplate, distributed: DistributedSpec) -> None:
+    owned = GROUP_ENV + (INTERFACE_ENV if distributed.network_interface is not None else ())
+    for name in vllm_env_names(template):
+        if name in owned:
+            why = (
+                "spec.distributed.networkInterface sets it"
+                if name in INTERFACE_ENV
+                else "rankguard sets it on every pod of a group (the pod's IP, its node rank)"
+            )
+            raise SpecError(f"spec.template.spec.containers[vllm].env cannot set {name}: {why}")

@@ -129,8 +129,8 @@ def _string_map(doc: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
     return dict(raw)
 
 
-def _check_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
-    where = "spec.template.metadata"
+def check_metadata(meta: Mapping[str, Any], where: str = "spec.template.metadata") -> dict[str, Any]:
+    """Labels and annotations a user adds to the serving pods, less rankguard's own."""
     unknown = sorted(set(meta) - {"labels", "annotations"})
     if unknown:
         raise SpecError(f"{where} takes labels and annotations only, not {', '.join(unknown)}")
@@ -209,7 +209,7 @@ def parse_template(raw: Any, cache_mount: str | None = None) -> PodTemplate:
     if unknown:
         raise SpecError(f"spec.template takes metadata and spec, not {', '.join(unknown)}")
     out: dict[str, Any] = {}
-    meta = _check_metadata(_object(doc.get("metadata") or {}, "spec.template.metadata"))
+    meta = check_metadata(_object(doc.get("metadata") or {}, "spec.template.metadata"))
     if meta:
         out["metadata"] = meta
     pod = dict(_object(doc.get("spec") or {}, "spec.template.spec"))
@@ -273,6 +273,14 @@ def apply_template(template: PodTemplate, pod_meta: dict[str, Any], pod_spec: di
             pod_spec[key] = {**pod_spec.get(key, {}), **value}
         else:
             pod_spec[key] = value
+
+
+def vllm_env_names(template: PodTemplate) -> list[str]:
+    """The env names the template's `vllm` entry sets."""
+    for c in (template.value.get("spec") or {}).get("containers") or []:
+        if c.get("name") == VLLM_CONTAINER:
+            return [str(e.get("name")) for e in c.get("env") or [] if isinstance(e, Mapping)]
+    return []
 
 
 def _vllm_of(pod_spec: Mapping[str, Any]) -> dict[str, Any]:

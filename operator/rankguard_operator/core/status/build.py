@@ -21,7 +21,7 @@ from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.policy.history import Remediation, history_from_status
-from rankguard_operator.core.render.deployment import vllm_args
+from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
@@ -42,7 +42,7 @@ OBSERVED_REASONS = ("Unschedulable", "InvalidSpec")
 # Ranks and printer columns
 
 
-def rank_rows(observation: Observation | None) -> list[dict[str, Any]]:
+def rank_rows(observation: Observation | None, tp: int = 1) -> list[dict[str, Any]]:
     """`status.ranks`: one row per rank (its worst replica), stale rows marked."""
     if observation is None:
         return []
@@ -51,6 +51,7 @@ def rank_rows(observation: Observation | None) -> list[dict[str, Any]]:
             "rank": r.rank,
             "uuid": r.uuid[:128],
             "pod": r.pod[:253],
+            "stage": r.rank // tp,
             "totalBytes": r.total_bytes,
             "freeBytes": r.free_bytes,
             "minFreeBytes": r.min_free_bytes,
@@ -75,8 +76,20 @@ def rank_lines(observation: Observation | None) -> list[str]:
     ]
 
 
+def bottleneck_text(rank: int, pod: str, spec: ServiceSpec | None) -> str:
+    """ "rank 2"; with pipeline stages "rank 13 (stage 1)"; in a multi-node group "… on <pod>"."""
+    if spec is None or (spec.pp == 1 and spec.distributed is None):
+        return f"rank {rank}"
+    text = f"rank {rank} (stage {rank // spec.tp})"
+    return text if spec.distributed is None else f"{text} on {pod[:253]}"
+
+
 def summary_fields(
-    observation: Observation | None, flags: ServingFlags | None, ready_replicas: int, replicas: int
+    observation: Observation | None,
+    flags: ServingFlags | None,
+    ready_replicas: int,
+    replicas: int,
+    spec: ServiceSpec | None = None,
 ) -> dict[str, Any]:
     """The printer-column strings. A value rankguard does not know is None, so a status patch
     removes it and `kubectl get` shows <none> rather than an old figure; a rank known only
@@ -95,8 +108,10 @@ def summary_fields(
         "kvBudget": None if flags is None else flags.budget_text(),
         "rank0Headroom": rank0_text,
         "minHeadroom": None if b is None else format_bytes(b.headroom_bytes),
-        "bottleneck": None if b is None else f"rank {b.rank}",
+        "bottleneck": None if b is None else bottleneck_text(b.rank, b.pod, spec),
         "bottleneckRank": None if b is None else b.rank,
+        "bottleneckPod": None if b is None else b.pod[:253],
+        "bottleneckStage": None if b is None or spec is None else b.rank // spec.tp,
     }
 
 
@@ -326,9 +341,9 @@ def build_status(
         "phase": phase_for(conditions).value,
         "observedGeneration": generation,
         "conditions": conditions,
-        "ranks": rank_rows(observation),
+        "ranks": rank_rows(observation, spec.tp),
         "perRank": rank_lines(observation) or None,
-        **summary_fields(observation, flags, ready_replicas, spec.replicas),
+        **summary_fields(observation, flags, ready_replicas, spec.replicas, spec),
         "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),
         "remediations": [dict(h) for h in history][-HISTORY_LIMIT:],

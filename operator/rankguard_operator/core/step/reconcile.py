@@ -1,5 +1,8 @@
 """One reconcile step of an LLMService, as a pure function: `step(state, world) -> Step`.
 
+(Over 450 lines because the step is one pass read top to bottom, single-pod and multi-node
+alike; what each stage calls lives in the rooms below it.)
+
 (The step reads as the loop does, top to bottom, in one place; its inputs and outputs live in
 `step.world`, its state in `status.service_state`, its effects in `effects`, the pod-shaped
 conditions in `step.surroundings`, what the pods show that no decision answers in
@@ -40,7 +43,9 @@ from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyDeployment,
+    ApplyObject,
     ApplyService,
+    DeleteObject,
     Effect,
     PostEvent,
     WriteIntent,
@@ -50,9 +55,16 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.observe import blockers, pods
+from rankguard_operator.core.observe.groups import group_view, live_groups
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.policy.history import history_from_status
 from rankguard_operator.core.render.deployment import render_deployment, render_service
+from rankguard_operator.core.render.group import (
+    GROUP_SET_KIND,
+    GroupInputs,
+    render_group_service,
+    render_group_set,
+)
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.status.build import append_history, build_status
@@ -60,7 +72,7 @@ from rankguard_operator.core.status.degraded import degraded_event, said_before
 from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.status.patch import merged_status, status_patch
 from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.step import surroundings
+from rankguard_operator.core.step import group_roll, surroundings
 from rankguard_operator.core.step.world import (
     ReportInput,
     Settings,
@@ -109,6 +121,12 @@ class _Pass:
         self.model, self.learned = model, state.learned_model
         self.effects: list[Effect] = []
         self.deployment = world.deployment
+        # a multi-node service (spec.distributed): its groups, and a Deployment-shaped view of them
+        self.groups = None
+        self.roll_annotations: dict[str, str] = {}
+        if spec.distributed is not None:
+            self.groups = live_groups(world.statefulsets, world.pods, spec.distributed.pods_per_group)
+            self.deployment = group_view(self.groups, spec.replicas)
         self.current = state.serving_flags
         self.handled = state.handled
         self.history: list[dict[str, Any]] = [dict(h) for h in state.history]
@@ -120,6 +138,7 @@ class _Pass:
         self.key = budget_key(spec)
         _, self.startup_free, self.external_weights = state.kept_engine(self.key)
         self.node_gpu = node_gpu
+        self.members: dict[str, Any] | None = None  # status.groups, when multi-node
 
     def gpu(self, learned: int | None) -> int | None:
         """One GPU's size for the plans: the agents' figure or the nodes' labels (core/budget/gpu_labels)."""
@@ -127,6 +146,22 @@ class _Pass:
 
     def render(self, flags: ServingFlags, remediation_id: str | None = None) -> dict[str, Any]:
         w = self.world
+        if self.spec.distributed is not None:
+            return render_group_set(
+                w.name,
+                w.namespace,
+                w.uid,
+                GroupInputs(
+                    self.spec,
+                    flags,
+                    self.settings.agent_image,
+                    self.prior,
+                    startup_free_bytes=self.startup_free,
+                    external_weight_bytes=self.external_weights,
+                    shape=self.model.spec_shape,
+                ),
+                revision_annotations={REMEDIATION_ID_ANNOTATION: remediation_id} if remediation_id else None,
+            )
         return render_deployment(
             w.name,
             w.namespace,
@@ -164,8 +199,16 @@ class _Pass:
             return
 
     def apply(self, body: dict[str, Any], **kw: Any) -> None:
-        self.effects.append(ApplyDeployment(body, **kw))
+        if body.get("kind") == GROUP_SET_KIND:
+            # a group set is applied group by group in 4. (core/step/group_roll); a remediation's
+            # id goes on the sets that roll for it
+            self.roll_annotations = dict((body.get("metadata") or {}).get("annotations") or {})
+        else:
+            self.effects.append(ApplyDeployment(body, **kw))
         self.deployment = after_apply(self.deployment, body)
+        if body.get("kind") == GROUP_SET_KIND:
+            # no controller stands between rankguard and the groups' view: nothing to observe
+            self.deployment["status"]["observedGeneration"] = self.deployment["metadata"]["generation"]
 
     # 1. ------------------------------------------------------------------------------------
     def finish_pending(self) -> None:
@@ -193,6 +236,30 @@ class _Pass:
         self.handled = merge_keys(self.handled, pending.terminations)
         self.updates["pendingRemediation"] = None
 
+    # 4. (multi-node) ------------------------------------------------------------------------
+    def roll_groups(self, want: dict[str, Any]) -> None:
+        """Move the groups one pass toward `want` (core/step/group_roll); drop the single-pod
+        Deployment of a service that became multi-node."""
+        w = self.world
+        assert self.groups is not None
+        if w.deployment is not None:
+            self.effects.append(DeleteObject("Deployment", w.name, w.namespace))
+        lws = want.get("leaderWorkerSet")
+        if lws is not None:
+            # LWS's controller rolls and restarts the groups; rankguard applies when its render changed
+            digest = pods.deployment_template_hash(want)
+            if self.state.raw.get("workloadHash") != digest or self.roll_annotations:
+                self.effects.append(ApplyObject(lws))
+                self.updates["workloadHash"] = digest
+            return
+        recorded = self.state.raw.get("groups")
+        annotated = {**want, "metadata": {**want["metadata"], "annotations": self.roll_annotations}}
+        plan = group_roll.plan_roll(
+            annotated, self.groups, recorded if isinstance(recorded, dict) else {}, namespace=w.namespace
+        )
+        self.effects += plan.effects
+        self.members = plan.members
+
     # 2-5. ----------------------------------------------------------------------------------
     def run(self) -> Step:
         w, spec, state = self.world, self.spec, self.state
@@ -219,7 +286,7 @@ class _Pass:
             w.pods,
             state.unschedulable_since,
             w.now,
-            gpus=spec.world_size,
+            gpus=spec.gpus_per_pod,
             gpu_resource=spec.resources.gpu_resource_name,
         )
         try:
@@ -311,9 +378,18 @@ class _Pass:
         want = self.render(self.current)
         if not same_template(self.deployment, want, spec.replicas):
             self.apply(want)
+        if spec.distributed is not None:
+            self.roll_groups(want)
+        elif w.statefulsets:
+            # the service stopped being multi-node: its groups go (the Deployment replaces them)
+            self.effects += [
+                DeleteObject("StatefulSet", str(s["metadata"]["name"]), w.namespace) for s in w.statefulsets
+            ]
         rollout = pods.rollout_state(self.deployment, pods.deployment_template_hash(want) or "")
         if first or w.generation != state.observed_generation:
             self.effects.append(ApplyService(render_service(w.name, w.namespace, w.uid, spec)))
+            if spec.distributed is not None and spec.distributed.workload == "StatefulSet":
+                self.effects.append(ApplyObject(render_group_service(w.name, w.namespace, w.uid)))
 
         # 5. Report (written only when something changed).
         ready = int(((self.deployment or {}).get("status") or {}).get("readyReplicas") or 0)
@@ -342,6 +418,8 @@ class _Pass:
             blocker=unscheduled.blocker,
         )
         new_status.update(self.updates)
+        if self.members is not None:
+            new_status["groups"] = self.members
         new_status["conditions"] = with_rules_condition(
             new_status["conditions"], engine, iso(w.now), w.generation
         )

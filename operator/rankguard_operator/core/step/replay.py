@@ -9,6 +9,8 @@ What the API server would do with each effect:
   status kept, a new generation when the spec changed);
 * `ApplyService` / `ApplyClaim`: server-side apply of the whole body (the claim keeps the status
   its controller wrote);
+* `ApplyObject` / `DeleteObject`: a multi-node service's StatefulSets (or LeaderWorkerSet) and
+  headless Service, kept by kind and name, removed when deleted;
 * `PostEvent`: an Event created under its name when it has one, so posting it again is refused
   (the executor's 409) and it is kept once; an unnamed Event is kept every time.
 
@@ -27,7 +29,9 @@ from typing import Any
 from rankguard_operator.core.effects import (
     ApplyClaim,
     ApplyDeployment,
+    ApplyObject,
     ApplyService,
+    DeleteObject,
     Effect,
     PostEvent,
     WriteIntent,
@@ -45,6 +49,7 @@ class Objects:
     deployment: dict[str, Any] | None = None
     service: dict[str, Any] | None = None
     claim: dict[str, Any] | None = None
+    objects: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (kind, name) -> body
     events: dict[str, PostEvent] = field(default_factory=dict)  # by the Event's name
     applied: list[dict[str, Any]] = field(default_factory=list)  # every body applied, in order
 
@@ -57,9 +62,25 @@ class Objects:
             body = copy.deepcopy(dict(effect.body))  # the step's value stays untouched
             self.applied.append(body)
             self.deployment = after_apply(self.deployment, body)
+        elif (
+            isinstance(effect, ApplyService)
+            and self.service is not None
+            and _name(effect.body) != _name(self.service)
+        ):
+            body = copy.deepcopy(dict(effect.body))  # a multi-node service's headless Service
+            self.objects[("Service", _name(body))] = body
+            self.applied.append(body)
         elif isinstance(effect, ApplyService):
             self.service = copy.deepcopy(dict(effect.body))
             self.applied.append(self.service)
+        elif isinstance(effect, ApplyObject):
+            body = copy.deepcopy(dict(effect.body))
+            self.objects[(str(body["kind"]), _name(body))] = body
+            self.applied.append(body)
+        elif isinstance(effect, DeleteObject):
+            self.objects.pop((effect.kind, effect.name), None)
+            if effect.kind == "Deployment":
+                self.deployment = None
         elif isinstance(effect, ApplyClaim):
             body = copy.deepcopy(dict(effect.body))
             self.applied.append(body)
@@ -72,7 +93,15 @@ class Objects:
         for effect in effects:
             self.carry_out(effect)
 
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        """The objects of `kind` held now (a multi-node service's StatefulSets), by name."""
+        return [body for (k, _), body in sorted(self.objects.items()) if k == kind]
+
     @property
     def deployments_applied(self) -> list[Mapping[str, Any]]:
         """Every Deployment body applied, in order (each roll, and each re-apply)."""
         return [b for b in self.applied if b.get("kind") == "Deployment"]
+
+
+def _name(body: Mapping[str, Any]) -> str:
+    return str((body.get("metadata") or {}).get("name") or "")

@@ -60,6 +60,8 @@ class World:
     now: float
     new_id: str  # the id a remediation decided in this step will carry (the edge makes it)
     deployment: Mapping[str, Any] | None = None
+    # a multi-node service's StatefulSets (spec.distributed; also any left from one)
+    statefulsets: Sequence[Mapping[str, Any]] = ()
     pods: Sequence[Mapping[str, Any]] = ()
     reports: Sequence[ReportInput] = ()
     model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
@@ -127,20 +129,25 @@ def same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], repli
 
 
 def scrape_targets(
-    world_spec: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
+    world_spec: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    statefulsets: Sequence[Mapping[str, Any]] = (),
 ) -> list[tuple[str, str, int]]:
     """(pod, IP, agent port) of the pods worth scraping: ready, with an IP, created from the
-    template the Deployment holds now. `step` keeps only the reports of the template it wants,
-    so this is an economy, not a decision. Empty when the spec cannot be read."""
+    template the Deployment (or a multi-node service's StatefulSets) holds now. `step` keeps
+    only the reports of the template it wants, so this is an economy, not a decision. Empty
+    when the spec cannot be read."""
     try:
         port = parse_spec(world_spec).agent.port
     except SpecError:
         return []
-    live = deployment_template_hash(deployment)
+    live = {deployment_template_hash(deployment)} | {deployment_template_hash(s) for s in statefulsets}
+    live.discard(None)
     out = []
     for p in pods:
         ip = pod_ip(p)
-        if ip and pod_ready(p) and live is not None and carried_template_hash(p) == live:
+        if ip and pod_ready(p) and carried_template_hash(p) in live:
             out.append((str(p["metadata"]["name"]), ip, port))
     return out
 
