@@ -9,13 +9,12 @@ without vLLM's HTTP server (a `--headless` pod runs none)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 from pathlib import Path
 
-import pytest
 from launched import AGENT_ROOT, agent_port, launcher_cmd, message, py, report_when, start, stop
+from test_agent_probe import needs_torch
 
 from rankguard_agent.gpu.simfiles import write_device
 from rankguard_agent.wire.termination import COMPLETED, CUDA_OOM
@@ -42,9 +41,6 @@ OOM = (
     "out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
     "free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory "
     "75.50 GiB is allocated by PyTorch, and 1.25 GiB is reserved by PyTorch but unallocated."
-)
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="torch is not importable here; the probe needs it"
 )
 
 

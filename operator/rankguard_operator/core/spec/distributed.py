@@ -32,7 +32,7 @@ from rankguard_operator.core.spec.fields import (
     section,
     str_field,
 )
-from rankguard_operator.core.spec.template import check_metadata
+from rankguard_operator.core.spec.template import check_metadata, string_map
 
 Workload = Literal["StatefulSet", "LeaderWorkerSet"]
 WORKLOADS: tuple[str, ...] = ("StatefulSet", "LeaderWorkerSet")
@@ -64,15 +64,6 @@ class DistributedSpec:
         return parsed
 
 
-def _string_map(doc: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
-    raw = doc.get(key) or {}
-    if not isinstance(raw, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
-    ):
-        raise SpecError(f"{where}.{key} must map strings to strings")
-    return dict(raw)
-
-
 def _worker_template(raw: Any) -> str:
     where = "spec.distributed.workerTemplate"
     if raw is None:
@@ -101,7 +92,7 @@ def _worker_template(raw: Any) -> str:
         )
     spec_out: dict[str, Any] = {}
     if "nodeSelector" in pod:
-        spec_out["nodeSelector"] = _string_map(pod, "nodeSelector", f"{where}.spec")
+        spec_out["nodeSelector"] = string_map(pod, "nodeSelector", f"{where}.spec")
     if "tolerations" in pod:
         tolerations = pod["tolerations"]
         if not isinstance(tolerations, Sequence) or isinstance(tolerations, str):

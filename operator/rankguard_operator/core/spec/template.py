@@ -122,7 +122,7 @@ def _list(value: Any, where: str) -> Sequence[Any]:
     return value
 
 
-def _string_map(doc: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
+def string_map(doc: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
     raw = _object(doc.get(key) or {}, f"{where}.{key}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
         raise SpecError(f"{where}.{key} must map strings to strings")
@@ -134,8 +134,8 @@ def check_metadata(meta: Mapping[str, Any], where: str = "spec.template.metadata
     unknown = sorted(set(meta) - {"labels", "annotations"})
     if unknown:
         raise SpecError(f"{where} takes labels and annotations only, not {', '.join(unknown)}")
-    labels = _string_map(meta, "labels", where)
-    annotations = _string_map(meta, "annotations", where)
+    labels = string_map(meta, "labels", where)
+    annotations = string_map(meta, "annotations", where)
     for key in labels:
         if key in RESERVED_LABELS or key.startswith(_OWN_PREFIX):
             raise SpecError(
