@@ -66,6 +66,7 @@ MAX_ITEMS = {
     "containers[].env": 256,
     "containers[].envFrom": 64,
     "containers[].volumeMounts": 128,
+    "initContainers[].volumeMounts": 128,
 }
 
 # maxLength for the strings those rules compare: Kubernetes' own limits where it has one (a
@@ -77,6 +78,7 @@ MAX_LENGTH = {
     "containers[].env[].name": 1024,
     "containers[].volumeMounts[].name": 63,
     "containers[].volumeMounts[].mountPath": 4096,
+    "initContainers[].volumeMounts[].mountPath": 4096,
 }
 
 DESCRIPTION_DEPTH = 2  # 1: the PodSpec fields themselves; 2: their fields

@@ -58,7 +58,7 @@ DOCUMENTED: frozenset[tuple[str, str]] = frozenset(
     + [("replicasets.apps", v) for v in ("get", "list", "watch")]
     + [("configmaps", "get")]
     + [("persistentvolumeclaims", v) for v in ("get", "create", "patch")]
-    + [("events", v) for v in ("create", "patch")]
+    + [("events", v) for v in ("create", "patch", "list")]
     + [("events.events.k8s.io", v) for v in ("create", "patch")]
 )
 # docs/rbac.md, "Cluster-wide installs only": what the ClusterRole adds (cluster-scoped objects).

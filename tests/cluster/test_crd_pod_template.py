@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+from crd_cases import apply, assert_refused_twice, llmservice
 
-from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.kube.cluster import ControlPlane
 
@@ -35,16 +35,7 @@ def generator() -> ModuleType:
 
 
 def service(name: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "meta-llama/Llama-3.3-70B-Instruct"},
-            "image": "vllm/vllm-openai:v0.33.0",
-            **spec,
-        },
-    }
+    return llmservice(name, "meta-llama/Llama-3.3-70B-Instruct", **spec)
 
 
 GPU_POD: dict[str, Any] = {
@@ -173,10 +164,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
 ]
 
 
-def apply(cluster: ControlPlane, namespace: str, obj: dict[str, Any]) -> Any:
-    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj), check=False)
-
-
 def test_the_embedded_podspec_is_the_live_api_servers_own(cluster: ControlPlane, crd: str) -> None:
     gen = generator()
     live = json.loads(cluster.kubectl("get", "--raw", "/openapi/v3/api/v1", timeout=120).stdout)
@@ -211,13 +198,7 @@ def test_what_rankguard_owns_is_refused_at_apply_and_by_the_operator(  # noqa: P
     server_says: str,
     operator_says: str,
 ) -> None:
-    obj = service(case, **changes)
-    r = apply(cluster, namespace, obj)
-    assert r.returncode != 0, f"{case} was accepted"
-    assert server_says in r.stderr, r.stderr
-    with pytest.raises(SpecError) as exc:
-        parse_spec(obj["spec"])
-    assert operator_says in str(exc.value)
+    assert_refused_twice(cluster, namespace, service(case, **changes), server_says, operator_says)
 
 
 def test_kubectl_explain_shows_the_template(cluster: ControlPlane, crd: str) -> None:

@@ -135,16 +135,21 @@ def test_a_pod_waits_for_its_claim_then_mounts_it(
     core = client.CoreV1Api(api)
     core.create_namespaced_pod(namespace, file_pod("early", node.node_name, WRITE, "later", bind=True))
 
-    def waiting_message() -> str | None:
-        statuses = (raw(core.read_namespaced_pod, "early", namespace).get("status") or {}).get(
-            "containerStatuses"
-        ) or []
-        waiting = (statuses[0].get("state") or {}).get("waiting") or {} if statuses else {}
-        return waiting.get("message") if waiting.get("reason") == "ContainerCreating" else None
+    def failed_mount() -> str | None:
+        # as the real kubelet: the reason is a Warning Event on the pod, the container only waits
+        found = core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=early,reason=FailedMount,type=Warning"
+        ).items
+        return str(found[0].message) if found else None
 
-    message = wait_for("the kubelet to report the missing claim", waiting_message, timeout=30)
-    assert message.startswith("FailedMount: error processing PVC")
-    assert 'persistentvolumeclaims "later" not found' in message
+    message = wait_for("the kubelet to report the missing claim", failed_mount, timeout=30)
+    assert message.startswith('MountVolume.SetUp failed for volume "')
+    assert "error processing PVC" in message and 'persistentvolumeclaims "later" not found' in message
+    statuses = (raw(core.read_namespaced_pod, "early", namespace).get("status") or {}).get(
+        "containerStatuses"
+    ) or [{}]
+    waiting = (statuses[0].get("state") or {}).get("waiting") or {}
+    assert waiting.get("reason") == "ContainerCreating" and not waiting.get("message"), waiting
     assert phase(core, namespace, "early") == "Pending"
 
     core.create_namespaced_persistent_volume_claim(namespace, claim_body("later", modes=("ReadWriteOnce",)))

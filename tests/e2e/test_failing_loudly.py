@@ -149,9 +149,9 @@ def test_a_floor_above_the_gpu_the_node_states_is_refused(
     """No gpuMemoryBytes, so the CRD cannot compare; once the pod lands on a node, its GPU
     Feature Discovery labels give the size, and the operator refuses the spec."""
     make_node("llama3-8b-tp2-24gb", time_scale=4)
-    apply_service(api, e2e_namespace, service("floor", remediation={"minKVCacheBytes": 15 * 2**39}))
+    apply_service(api, e2e_namespace, service("floor", remediation={"minKVCacheBytes": 15 * 2**36}))
     svc = wait_degraded(api, e2e_namespace, "floor", "InvalidSpec", 120)
     message = condition(svc, "Degraded")["message"]  # type: ignore[index]
-    assert "spec.remediation.minKVCacheBytes (7.5Ti" in message and "GPU Feature Discovery labels" in message
+    assert "spec.remediation.minKVCacheBytes (960Gi" in message and "GPU Feature Discovery labels" in message
     assert svc["status"]["phase"] == "Failed"
     assert len(events(api, e2e_namespace, "floor", "InvalidSpec")) == 1

@@ -28,7 +28,7 @@ from rankguard_operator.core.observe.blockers import UNSCHEDULABLE_AFTER_SECONDS
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.step import Step, reconcile
-from rankguard_operator.core.units import GiB, MiB, TiB, parse_iso
+from rankguard_operator.core.units import GiB, MiB, parse_iso
 
 
 def degraded(c: Cluster) -> dict[str, Any]:
@@ -328,7 +328,7 @@ def test_a_pod_waiting_for_the_gpus_of_a_terminating_one_is_not_degraded() -> No
 
 def test_a_floor_above_the_gpu_in_the_spec_is_refused_by_the_parser() -> None:
     doc = copy.deepcopy(SPEC)
-    doc["remediation"] = {"minKVCacheBytes": int(7.5 * TiB)}
+    doc["remediation"] = {"minKVCacheBytes": 960 * GiB}
     floor_above = r"minKVCacheBytes \(.*\) must be smaller than spec\.memory\.gpuMemoryBytes"
     with pytest.raises(SpecError, match=floor_above):
         parse_spec(doc)
@@ -340,7 +340,7 @@ GFD = {"nvidia.com/gpu.memory": str(80 * 1024), "nvidia.com/gpu.product": "NVIDI
 @pytest.mark.parametrize(
     ("memory", "remediation", "said"),
     [
-        ({}, {"minKVCacheBytes": int(7.5 * TiB)}, "spec.remediation.minKVCacheBytes (7.5Ti"),
+        ({}, {"minKVCacheBytes": 960 * GiB}, "spec.remediation.minKVCacheBytes (960Gi"),
         ({"kvCacheMemoryBytes": 96 * GiB}, {}, "spec.memory.kvCacheMemoryBytes (96Gi) is not below"),
     ],
 )
@@ -362,7 +362,7 @@ def test_a_floor_above_the_gpu_the_agents_measured_is_refused() -> None:
     c = Cluster()
     del c.spec["memory"]
     c.status = {"gpuMemoryBytes": 80 * GiB}  # learned from the agents before (status keeps it)
-    c.spec["remediation"] = {"minKVCacheBytes": int(7.5 * TiB)}
+    c.spec["remediation"] = {"minKVCacheBytes": 960 * GiB}
     c.run()
     assert c.deployment is None and c.status["phase"] == "Failed"
     assert "from the agents' measurement" in degraded(c)["message"]

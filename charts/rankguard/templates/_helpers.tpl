@@ -176,10 +176,12 @@ that became multi-node or the groups of one that stopped being).
   verbs: ["get", "create", "patch"]
 # Tell people what happened (remediations, rejected specs) as Events on the LLMService;
 # patch lets repeated events be counted instead of duplicated. Both Event APIs, because
-# kopf posts core/v1 Events and events.k8s.io/v1 is the API new clients use.
+# kopf posts core/v1 Events and events.k8s.io/v1 is the API new clients use. list (core
+# only): the Warning Events of a serving pod stuck before any container ran, by field
+# selector (the kubelet says FailedMount only there), and of a StatefulSet short of pods.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -13,8 +13,9 @@ resourceVersion the write returned, and uses that state until the body has caugh
 same holds for the Deployment, read from kopf's watch: the object our own apply returned is
 used until the watch has delivered it (or something newer).
 
-Only pods whose owner chain leads to this LLMService's Deployment are passed to the step
-(core/observe/ownership); the others are counted once each in `rankguard_operator_pods_ignored_total`.
+Only pods whose owner chain leads to this LLMService's Deployment, and that their owner made
+(name and pod template), are passed to the step (core/observe/ownership); the others are counted
+once each in `rankguard_operator_pods_ignored_total`.
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ from rankguard_operator.core.effects import (
 from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import ownership
+from rankguard_operator.core.observe.pod_blockers import event_subjects
 from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
+from rankguard_operator.core.render.claim import claim_settled
+from rankguard_operator.core.render.taken_names import NameRivals
 from rankguard_operator.core.status.figures import figures, memory_terminations, phase_change, rank_label
 from rankguard_operator.core.status.patch import status_patch
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import Settings, Step, World, reads, reconcile, scrape_targets, with_intent
 from rankguard_operator.core.units import iso
-from rankguard_operator.edge import k8s
+from rankguard_operator.edge import k8s, live_owner
 from rankguard_operator.edge.metrics import (
     AGENTS_UNAVAILABLE,
     ENGINE_RULES_FALLBACK,
@@ -63,7 +67,7 @@ from rankguard_operator.edge.metrics import (
     SERVICE_GAUGES,
     forget_service,
 )
-from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, claim_bound, exists
+from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, WarningEvents, exists
 from rankguard_operator.edge.scrape import Scraper, Target
 
 log = logging.getLogger("rankguard_operator.executor")
@@ -77,6 +81,12 @@ APPLIED_STANDS_SECONDS = 30.0
 # A pod whose ReplicaSet (or our Deployment) the watches have not shown is normally one the
 # watch is a moment behind on; one still unvouched for after this long is counted as ignored.
 UNVOUCHED_GRACE_SECONDS = 30.0
+# A pass refused because another LLMService controls an object of the same name looks again
+# this soon: the garbage collector removes a deleted service's objects within seconds.
+OWNED_RETRY_SECONDS = 5.0
+# A StatefulSet's earlier pod templates whose pods still count (a group replace leaves one
+# earlier template's pods terminating; a few more cover replaces applied in quick succession).
+SET_TEMPLATES_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,10 @@ class Seen:
     body: Mapping[str, Any]
     pods: Sequence[Mapping[str, Any]]  # by rankguard's labels: not yet vouched for
     deployment: Mapping[str, Any] | None  # the Deployment named after the service, if watched
-    replicaset_owner: Mapping[str, str]  # ReplicaSet UID -> its controller's UID
+    # ReplicaSet UID -> its controller's UID, its name and its pod template's fingerprint
+    replicaset_owner: Mapping[str, ownership.ReplicaSetRef]
     statefulsets: Sequence[Mapping[str, Any]] = ()  # by rankguard's labels (a multi-node service's groups)
+    name_rivals: NameRivals | None = None  # other LLMServices on this one's names (the names index)
 
 
 class ServiceExecutor:
@@ -97,8 +109,9 @@ class ServiceExecutor:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
         self.nodes = NODE_LABELS
-        self.claims = KeptRead(lambda n: k8s.get_claim(namespace, n), claim_bound)
+        self.claims = KeptRead(lambda n: k8s.get_claim(namespace, n), lambda c: claim_settled(c, name))
         self.configs = KeptRead(lambda n: k8s.get_configmap(namespace, n), exists)
+        self.events = WarningEvents(namespace)  # a stuck pod's (core/observe/pod_blockers)
         self._posted: dict[str, float] = {}  # Event reason -> when it was last posted
         self._written: tuple[str, ServiceState] | None = None  # (rv of our write, state)
         self._applied: tuple[float, dict[str, Any]] | None = None  # (when, our last applied Deployment)
@@ -106,6 +119,9 @@ class ServiceExecutor:
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
         self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
+        # StatefulSet UID -> fingerprints of the pod templates it carried, oldest first: a
+        # group replace's old pods still count until they are gone (core/observe/ownership)
+        self._set_templates: dict[str, tuple[str, ...]] = {}
         self._ooms_counted: set[str] = set()  # keys of new memory terminations already counted
         # whether the last pass had something that changes without a watch event: agents to
         # scrape, a remediation under way, pods starting on a node (handlers pick the cadence)
@@ -199,7 +215,12 @@ class ServiceExecutor:
         statefulsets: Sequence[Mapping[str, Any]],
     ) -> list[Mapping[str, Any]]:
         pods, ignored = ownership.trusted_pods(
-            seen.pods, seen.replicaset_owner, deployment, uid, statefulsets
+            seen.pods,
+            seen.replicaset_owner,
+            deployment,
+            uid,
+            statefulsets=statefulsets,
+            earlier_set_templates=self._earlier_set_templates(statefulsets),
         )
         now = time.monotonic()
         for i in ignored:
@@ -223,6 +244,19 @@ class ServiceExecutor:
         self._ignored &= live
         self._unvouched = {u: t for u, t in self._unvouched.items() if u in live and u not in self._ignored}
         return pods
+
+    def _earlier_set_templates(self, statefulsets: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, ...]]:
+        """The templates each StatefulSet carried before this pass (the last few), and this
+        pass's remembered for the next. Memory only: after a restart a replace's old pods are
+        not vouched for (docs/security.md)."""
+        before = self._set_templates
+        now: dict[str, tuple[str, ...]] = {}
+        for s in statefulsets:
+            uid, fingerprint = _meta(s, "uid"), ownership.statefulset_fingerprint(s)
+            kept = tuple(f for f in before.get(uid, ()) if f != fingerprint)
+            now[uid] = (*kept, fingerprint)[-SET_TEMPLATES_KEPT:]
+        self._set_templates = now
+        return {uid: before[uid] for uid in now if uid in before}
 
     async def _run_once(self, seen: Seen) -> str:
         body = seen.body
@@ -256,6 +290,8 @@ class ServiceExecutor:
             cache_claim=claim,
             agent_misses=scraped.misses,
             node_labels=await self.nodes.labels(wanted.nodes),
+            events=await self.events.of(event_subjects(pods, owned_sets, time.time())),
+            name_rivals=seen.name_rivals,
         )
         self.busy = (
             bool(targets)
@@ -338,19 +374,19 @@ class ServiceExecutor:
                 )
                 self._remember(rv, with_intent(state, effect.pending))
             elif isinstance(effect, ApplyDeployment):
-                self._applied = (time.monotonic(), await k8s.apply(effect.body))
+                self._applied = (time.monotonic(), await live_owner.apply(effect.body))
                 if effect.remediation_id is not None:
                     action = STATUS_ACTIONS.get(str(effect.action), str(effect.action))
                     REMEDIATIONS.labels(self.namespace, self.name, action, str(effect.trigger)).inc()
             elif isinstance(effect, ApplyObject):
-                stored = await k8s.apply(effect.body)
+                stored = await live_owner.apply(effect.body)
                 if stored.get("kind") == "StatefulSet":
                     self._applied_sets[str(stored["metadata"]["name"])] = (time.monotonic(), stored)
             elif isinstance(effect, DeleteObject):
                 await k8s.delete(effect.kind, effect.name, effect.namespace)
                 self._applied_sets.pop(effect.name, None)
             elif isinstance(effect, (ApplyService, ApplyClaim)):
-                await k8s.apply(effect.body)
+                await live_owner.apply(effect.body)
             elif isinstance(effect, PostEvent):
                 await self._event(body, effect)
             elif isinstance(effect, WriteStatus):
@@ -376,10 +412,10 @@ class ServiceExecutor:
         """The API server refused what we rendered: retrying the same object cannot help. Say so
         on the LLMService (Degraded, one Event per reason and period) and in the log once per
         distinct refusal; a pending remediation stays written, to be finished once it can."""
-        message = (
-            f"{err}. rankguard keeps retrying; change the LLMService (or what refuses the object: "
-            "an admission policy, a quota, the operator's permissions) to let it through"
-        )
+        message = f"{err}. {err.advice}"
+        if isinstance(err, live_owner.OwnedElsewhere):
+            # the other service may be going, its objects with it: look again soon
+            self.due_in = min(self.due_in or OWNED_RETRY_SECONDS, OWNED_RETRY_SECONDS)
         if self._refused != message:
             self._refused = message
             log.warning("LLMService %s/%s: %s", self.namespace, self.name, message)
@@ -388,7 +424,7 @@ class ServiceExecutor:
             list(state.raw.get("conditions") or []),
             Condition.DEGRADED,
             "True",
-            "ApplyRefused",
+            err.reason,
             message,
             when,
             world.generation,
@@ -396,7 +432,7 @@ class ServiceExecutor:
         patch = status_patch(state.raw, {"conditions": conditions, "phase": Phase.DEGRADED.value})
         if patch is not None:
             await k8s.patch_status(self.namespace, self.name, patch)
-        await self._event(body, PostEvent("Warning", "ApplyRefused", message, repeat=True))
+        await self._event(body, PostEvent("Warning", err.reason, message, repeat=True))
 
 
 def _older(rv: str, than: str) -> bool:

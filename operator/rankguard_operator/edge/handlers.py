@@ -41,6 +41,9 @@ from rankguard_operator.core.names import (
     PLURAL,
     label_value,
 )
+from rankguard_operator.core.observe import ownership
+from rankguard_operator.core.observe.pod_blockers import CONTAINERS_KEY
+from rankguard_operator.core.render.taken_names import Holder, NameRivals, Rival, held_names
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.api_health import HEALTH, KopfRetryFilter
 from rankguard_operator.edge.config import OperatorConfig
@@ -71,9 +74,12 @@ def _config(memo: kopf.Memo) -> OperatorConfig:
     return config
 
 
-def _wakers(memo: kopf.Memo) -> dict[Key, asyncio.Event]:
+def _wakers(memo: kopf.Memo) -> dict[Key, dict[str, asyncio.Event]]:
     # One dict for the whole operator: per-object memos are shallow copies of the global one.
-    wakers: dict[Key, asyncio.Event] = memo.setdefault("wakers", {})
+    # Per key, one event per LLMService name: two services whose names share a label value (one
+    # of them refused, core/render/taken_names) each keep their own, so one's end does not
+    # silence the other's wake-ups.
+    wakers: dict[Key, dict[str, asyncio.Event]] = memo.setdefault("wakers", {})
     return wakers
 
 
@@ -135,12 +141,22 @@ def _controller_refs(meta: kopf.Meta | dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _kept_containers(spec: Any) -> list[dict[str, Any]]:
+    """What core/observe/pod_blockers reads of a pod's containers, kept beside the digest: their
+    names, readiness probes (a sidecar's grace covers its own probe) and restart policies (a
+    native sidecar is an init container that keeps running)."""
+    every = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    keys = ("name", "restartPolicy", "readinessProbe")
+    return [{k: c[k] for k in keys if k in c} for c in every if isinstance(c, dict)]
+
+
 @kopf.index("", "v1", "pods", labels=MANAGED, when=_ours)
 async def serving_pods(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Any, Any]:
     """Pods by (namespace, the LLMService label value): the loop reads them from memory. Of the
-    spec only the node a pod is scheduled on (for its GPU Feature Discovery labels)."""
+    spec only the node a pod is scheduled on (for its GPU Feature Discovery labels) and what
+    core/observe/pod_blockers reads (its scheduler, `_kept_containers`)."""
     service = labels.get(LLMSERVICE_LABEL)
     if not service:
         return {}
@@ -154,8 +170,13 @@ async def serving_pods(
             "deletionTimestamp": meta.get("deletionTimestamp"),
             "ownerReferences": _controller_refs(meta),
         },
-        "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
+        # the node (for its GPU Feature Discovery labels), the scheduler (a pod none answers is
+        # named with it: core/observe/pod_blockers)
+        "spec": {k: (body.get("spec") or {}).get(k) for k in ("nodeName", "schedulerName")},
+        CONTAINERS_KEY: _kept_containers(body.get("spec") or {}),
         "status": dict(body.get("status") or {}),
+        # the rest of the spec only as the digest core/observe/ownership compares with its owner's
+        ownership.FINGERPRINT_KEY: ownership.template_fingerprint(body.get("spec")),
     }
     return {(namespace, service): pod}
 
@@ -188,17 +209,20 @@ async def statefulset_changed(namespace: str | None, labels: kopf.Labels, memo: 
 
 
 @kopf.index("apps", "v1", "replicasets", labels=MANAGED, when=_ours)
-async def replicaset_owners(namespace: str | None, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    """A ReplicaSet's UID -> its controller's UID: the middle link of a pod's owner chain."""
-    refs = _controller_refs(meta)
-    return {(namespace, meta.get("uid")): refs[0]["uid"]} if refs else {}
+async def replicaset_owners(
+    namespace: str | None, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    """A ReplicaSet's UID -> its controller's UID (the middle link of a pod's owner chain), its
+    name and its pod template's fingerprint (what its pods must be: core/observe/ownership).
+    A fingerprint, not the template: a thousand services keep several ReplicaSets each."""
+    ref = ownership.replicaset_ref(body)
+    return {(namespace, meta.get("uid")): ref} if ref.owner_uid else {}
 
 
 def _wake(memo: kopf.Memo, namespace: str | None, service_label: str) -> None:
     # The handlers that call this are async on purpose: kopf runs sync handlers in a worker
     # thread, where asyncio.Event.set() is not safe (and a thread hop per watch event costs).
-    event = _wakers(memo).get((namespace or "", service_label))
-    if event is not None:
+    for event in _wakers(memo).get((namespace or "", service_label), {}).values():
         event.set()
 
 
@@ -227,6 +251,38 @@ async def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: 
         _wake(memo, *service_key(namespace or "", name))
 
 
+@kopf.index(API_GROUP, API_VERSION, PLURAL, when=_ours)
+async def llmservice_names(
+    name: str, namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, **_: Any
+) -> dict[Any, Any]:
+    """Every name an LLMService's render takes (core/render/taken_names), keyed by (namespace,
+    kind, name): a pass finds the other services on its names without a list. Of the service,
+    only what the verdict needs."""
+    holder = Holder(name, str(meta.get("uid") or ""), str(meta.get("creationTimestamp") or ""))
+    return {(namespace, kind, value): holder for kind, value in held_names(name, dict(spec))}
+
+
+def _rivals(index: kopf.Index[Any, Any], namespace: str, name: str, spec: Any) -> list[Rival]:
+    """The other LLMServices the names index lists on the names `name` takes with `spec`."""
+    return [
+        Rival(kind, value, h)
+        for kind, value in sorted(held_names(name, dict(spec or {})))
+        for h in index.get((namespace, kind, value), [])
+        if h.name != name
+    ]
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL, when=_ours)
+async def names_changed(
+    name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """An LLMService came, changed or went: wake the others on its names (kopf updates the
+    index before the handlers run), so a younger one refused for a name proceeds by itself
+    once the older holder is deleted, without waiting for its resync."""
+    for r in _rivals(kwargs["llmservice_names"], namespace or "", name, body.get("spec")):
+        _wake(memo, *service_key(namespace or "", r.holder.name))
+
+
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=15, backoff=UNEXPECTED_BACKOFF, when=_ours)
 async def service_daemon(
     name: str,
@@ -241,13 +297,14 @@ async def service_daemon(
     deployments: kopf.Index[Any, Any] = kwargs["serving_deployments"]
     replicasets: kopf.Index[Any, Any] = kwargs["replicaset_owners"]
     statefulsets: kopf.Index[Any, Any] = kwargs["serving_statefulsets"]
+    names: kopf.Index[Any, Any] = kwargs["llmservice_names"]
     assert namespace is not None  # LLMService is namespaced
     config = _config(memo)
     executor = memo.get("executor")
     if not isinstance(executor, ServiceExecutor):
         executor = memo["executor"] = ServiceExecutor(name, namespace, config.settings)
     key = service_key(namespace, name)
-    wake = _wakers(memo).setdefault(key, asyncio.Event())
+    wake = _wakers(memo).setdefault(key, {}).setdefault(name, asyncio.Event())
     try:
         while not stopped:
             wake.clear()
@@ -259,6 +316,10 @@ async def service_daemon(
                 deployment=next(iter(deployments.get((namespace, name), [])), None),
                 replicaset_owner=_owners(replicasets, namespace, pods),
                 statefulsets=list(statefulsets.get(key, [])),
+                name_rivals=NameRivals(
+                    str(body.get("metadata", {}).get("creationTimestamp") or ""),
+                    tuple(_rivals(names, namespace, name, body.get("spec"))),
+                ),
             )
             try:
                 await executor.run_once(seen)
@@ -269,20 +330,26 @@ async def service_daemon(
             await _sleep_until(wake, stopped, max(0.05, interval - spent))
     finally:
         if stopped:
-            _wakers(memo).pop(key, None)
+            mine = _wakers(memo).get(key, {})
+            mine.pop(name, None)
+            if not mine:
+                _wakers(memo).pop(key, None)
             executor.forget()
         await executor.close()
 
 
-def _owners(replicasets: kopf.Index[Any, Any], namespace: str, pods: list[Any]) -> dict[str, str]:
-    """ReplicaSet UID -> controller UID, for the ReplicaSets these pods name as their controller."""
-    out: dict[str, str] = {}
+def _owners(
+    replicasets: kopf.Index[Any, Any], namespace: str, pods: list[Any]
+) -> dict[str, ownership.ReplicaSetRef]:
+    """ReplicaSet UID -> what the index keeps of it, for the ReplicaSets these pods name as
+    their controller."""
+    out: dict[str, ownership.ReplicaSetRef] = {}
     for pod in pods:
         for ref in pod["metadata"].get("ownerReferences") or []:
             uid = str(ref.get("uid") or "")
             owner = next(iter(replicasets.get((namespace, uid), [])), None)
-            if owner is not None:
-                out[uid] = str(owner)
+            if isinstance(owner, ownership.ReplicaSetRef):
+                out[uid] = owner
     return out
 
 

@@ -71,6 +71,12 @@ class ApplyRefused(Exception):
     """The API server refused an object rankguard rendered (400, 403, 422): retrying the same
     object cannot help, the spec (or the operator's permissions) must change."""
 
+    reason = "ApplyRefused"  # Degraded's reason on the LLMService
+    advice = (
+        "rankguard keeps retrying; change the LLMService (or what refuses the object: an admission "
+        "policy, a quota, the operator's permissions) to let it through"
+    )
+
     def __init__(self, kind: str, name: str, status: int, detail: str) -> None:
         super().__init__(f"the API server refused {kind} {name} (HTTP {status}): {detail}")
         self.kind, self.name, self.status, self.detail = kind, name, status, detail
@@ -142,48 +148,72 @@ def _refusal_detail(e: ApiException) -> str:
     return str(doc.get("message") or e.reason)[:1024] if isinstance(doc, dict) else str(e.body)[:1024]
 
 
-# The kinds rankguard renders, and the API call that server-side applies each.
-_APPLIERS: dict[str, tuple[Any, str]] = {
-    "Deployment": (client.AppsV1Api, "patch_namespaced_deployment"),
-    "StatefulSet": (client.AppsV1Api, "patch_namespaced_stateful_set"),
-    "Service": (client.CoreV1Api, "patch_namespaced_service"),
-    "PersistentVolumeClaim": (client.CoreV1Api, "patch_namespaced_persistent_volume_claim"),
+# The kinds rankguard renders, and where each is server-side applied.
+_APPLY_PATHS: dict[str, str] = {
+    "Deployment": "/apis/apps/v1/namespaces/{namespace}/deployments/{name}",
+    "StatefulSet": "/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}",
+    "Service": "/api/v1/namespaces/{namespace}/services/{name}",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}",
+    LWS_KIND: f"/apis/{LWS_GROUP}/{LWS_VERSION}/namespaces/{{namespace}}/{LWS_PLURAL}/{{name}}",
+}
+
+# The kinds rankguard applies, and the API call that reads each (edge/live_owner).
+_READERS: dict[str, tuple[Any, str]] = {
+    "Deployment": (client.AppsV1Api, "read_namespaced_deployment"),
+    "StatefulSet": (client.AppsV1Api, "read_namespaced_stateful_set"),
+    "Service": (client.CoreV1Api, "read_namespaced_service"),
+    "PersistentVolumeClaim": (client.CoreV1Api, "read_namespaced_persistent_volume_claim"),
 }
 
 
-async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Server-side apply a Deployment, StatefulSet, Service or PersistentVolumeClaim we render.
-    Returns the object as stored."""
-    kind, meta = obj["kind"], obj["metadata"]
+async def get_object(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """One object of a kind rankguard applies (or a LeaderWorkerSet), None when it does not exist."""
 
     def call() -> Any:
         if kind == LWS_KIND:
-            # the client reads no body from a 201 (an apply that creates): take the raw answer
-            raw = client.CustomObjectsApi(api()).patch_namespaced_custom_object(
-                LWS_GROUP,
-                LWS_VERSION,
-                meta["namespace"],
-                LWS_PLURAL,
-                meta["name"],
-                dict(obj),
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=_APPLY,
-                _preload_content=False,
+            return client.CustomObjectsApi(api()).get_namespaced_custom_object(
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, name
             )
-            return json.loads(raw.data or b"{}")
-        if kind in _APPLIERS:
-            group, method = _APPLIERS[kind]
-            patch = getattr(group(api()), method)
-            return patch(
-                meta["name"],
-                meta["namespace"],
-                dict(obj),
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=_APPLY,
-            )
+        group, method = _READERS[kind]
+        return getattr(group(api()), method)(name, namespace)
+
+    return await _read(kind, name, call)
+
+
+def utf8_body(obj: Mapping[str, Any]) -> bytes:
+    """An apply patch as UTF-8 JSON. The client's own `json.dumps` writes a non-BMP character (an
+    emoji in a model name) as a surrogate-pair escape, which the API server's YAML decoder for
+    application/apply-patch+yaml refuses on every apply. (The JSON writes, status and Events,
+    are read by a JSON decoder, which takes the escapes.)"""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Server-side apply a Deployment, StatefulSet, Service, PersistentVolumeClaim or
+    LeaderWorkerSet we render, its body UTF-8 (`utf8_body`: the client's typed calls take only a
+    dict, which they serialise with escapes). Returns the object as stored (edge/live_owner
+    checks the live object's controller first)."""
+    kind, meta = obj["kind"], obj["metadata"]
+    if kind not in _APPLY_PATHS:
         raise ValueError(f"rankguard does not apply {kind}")
+
+    def call() -> Any:
+        c = api()
+        request = c.param_serialize(
+            "PATCH",
+            _APPLY_PATHS[kind],
+            path_params={"namespace": meta["namespace"], "name": meta["name"]},
+            query_params=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            header_params={"Content-Type": _APPLY, "Accept": "application/json"},
+            body=utf8_body(obj),
+            auth_settings=["BearerToken"],
+        )
+        response = c.call_api(*request)
+        response.read()
+        text = (response.data or b"{}").decode("utf-8")
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(http_resp=response, body=text, data=None)
+        return json.loads(text)
 
     what = f"applying {kind} {meta['name']}"
     try:
@@ -192,7 +222,7 @@ async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
         if e.status in (400, 403, 422) or _refused_as_500(e):
             raise ApplyRefused(kind, meta["name"], e.status, _refusal_detail(e)) from e
         raise _temporary(e, what) from e
-    return dict(result) if kind == LWS_KIND else dict(api().sanitize_for_serialization(result))
+    return dict(result)
 
 
 # The kinds rankguard deletes when it no longer wants them, and the API call for each.
@@ -350,3 +380,37 @@ async def post_event(
             )
             return  # an Event is information, never a reason to stop the loop
         raise _temporary(e, f"posting Event {reason}") from e
+
+
+# A stuck pod's Warning Events kept at most (its kubelet deduplicates them: a handful of reasons).
+EVENTS_LIMIT = 20
+
+
+async def warning_events(namespace: str, uid: str) -> list[dict[str, Any]]:
+    """The Warning Events about the object `uid` (a pod stuck in ContainerCreating, a StatefulSet
+    short of pods): the kubelet says FailedMount, and the StatefulSet controller FailedCreate,
+    only there. One bounded list by field selector; a refusal (403: an install without events
+    list) is logged once and read as none, since an Event only sharpens a verdict."""
+
+    def call() -> Any:
+        return client.CoreV1Api(api()).list_namespaced_event(
+            namespace, field_selector=f"involvedObject.uid={uid},type=Warning", limit=EVENTS_LIMIT
+        )
+
+    try:
+        found = await _call(f"listing the Events of {uid}", call)
+    except ApiException as e:
+        if e.status == 403:
+            if not _EVENTS_FORBIDDEN:
+                _EVENTS_FORBIDDEN.append(uid)
+                log.warning(
+                    "cannot list Events (HTTP 403): a volume the kubelet cannot mount is not reported; "
+                    "grant `events list` (the chart does)"
+                )
+            return []
+        raise _temporary(e, f"listing the Events of {uid}") from e
+    doc = api().sanitize_for_serialization(found)
+    return [dict(e) for e in (doc.get("items") or [])]
+
+
+_EVENTS_FORBIDDEN: list[str] = []  # non-empty once a 403 was logged (one line per operator)

@@ -1,5 +1,5 @@
 """What a pass reads besides the watched objects, and how rarely: Node labels, the model cache's
-claim, the ConfigMap holding a config.json.
+claim, the ConfigMap holding a config.json, and the Warning Events of a stuck pod.
 
 Deployments, ReplicaSets and pods come from kopf's watches (edge/handlers.py indexes), never
 from a GET per pass: at a thousand LLMServices a GET per pass was 95 % of the operator's API
@@ -106,8 +106,33 @@ class KeptRead:
         return obj
 
 
-def claim_bound(claim: dict[str, Any] | None) -> bool:
-    return claim is not None and (claim.get("status") or {}).get("phase") == "Bound"
+# A stuck object's Warning Events are read again after this long (the kubelet retries a mount
+# with back-off; a verdict a few seconds late costs nothing, a list per pass per pod would).
+EVENTS_REREAD_SECONDS = 10.0
+
+
+class WarningEvents:
+    """The Warning Events of the objects a pass asks about (core/observe/pod_blockers'
+    `event_subjects`: pods stuck before any container ran, StatefulSets short of pods), one
+    list per object by field selector, kept EVENTS_REREAD_SECONDS; objects no longer asked
+    about are forgotten. A read that fails keeps what was read before."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._kept: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+
+    async def of(self, uids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        now = time.monotonic()
+        self._kept = {u: v for u, v in self._kept.items() if u in uids}
+        for uid in uids:
+            kept = self._kept.get(uid)
+            if kept is not None and now - kept[0] < EVENTS_REREAD_SECONDS:
+                continue
+            try:
+                self._kept[uid] = (now, await k8s.warning_events(self.namespace, uid))
+            except (kopf.TemporaryError, k8s.ApiUnavailable) as e:
+                log.debug("reading the Events of %s: %s", uid, e)
+        return {u: v[1] for u, v in self._kept.items()}
 
 
 def exists(obj: dict[str, Any] | None) -> bool:

@@ -8,8 +8,10 @@ through `Throttled`, one line per distinct message per interval.
 from __future__ import annotations
 
 import base64
+import datetime
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -106,6 +108,10 @@ class PodApi:
                 return None
             raise
 
+    def pod_events(self, node: str) -> PodEvents:
+        """A recorder of one pod's Warning Events, as the kubelet on `node` posts them."""
+        return PodEvents(self.core, self._throttle, node)
+
     def lookup_key(self, kind: str, namespace: str, name: str, key: str) -> str | None:
         data = self.lookup_object(kind, namespace, name)
         return None if data is None else data.get(key)
@@ -132,3 +138,61 @@ class PodApi:
             body,
         )
         return str((doc.get("status") or {}).get("token", ""))
+
+
+# The kubelet's event recorder folds a repeated Event into one object (count, lastTimestamp);
+# the sandbox patches it at most this often, as the recorder's correlator rate-limits.
+EVENT_PATCH_SECONDS = 5.0
+
+
+class PodEvents:
+    """The kubelet's Warning Events about one pod (reason FailedMount: the real kubelet says a
+    volume it cannot mount only here; the container just waits in ContainerCreating), one Event
+    per distinct (reason, message), counted and deduplicated as the kubelet's recorder does."""
+
+    def __init__(self, core: client.CoreV1Api, throttle: Throttled, node: str) -> None:
+        self.core, self._throttle, self.node = core, throttle, node
+        self._posted: dict[tuple[str, str], tuple[str, int, float]] = {}  # -> (name, count, when)
+
+    def warn(self, pod: Mapping[str, Any], reason: str, message: str, now: float) -> None:
+        meta = meta_of(pod)
+        key = (reason, message)
+        stamp = datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat()
+        seen = self._posted.get(key)
+        try:
+            if seen is None:
+                name = f"{meta['name']}.{uuid.uuid4().hex[:16]}"
+                body = {
+                    "metadata": {"name": name, "namespace": meta["namespace"]},
+                    "involvedObject": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": meta["name"],
+                        "namespace": meta["namespace"],
+                        "uid": meta["uid"],
+                    },
+                    "type": "Warning",
+                    "reason": reason,
+                    "message": message,
+                    "source": {"component": "kubelet", "host": self.node},
+                    "reportingComponent": "kubelet",
+                    "reportingInstance": self.node,
+                    "firstTimestamp": stamp,
+                    "lastTimestamp": stamp,
+                    "count": 1,
+                }
+                raw_call(self.core.create_namespaced_event, str(meta["namespace"]), body)
+                self._posted[key] = (name, 1, now)
+                return
+            name, count, when = seen
+            if now - when < EVENT_PATCH_SECONDS:
+                return
+            raw_call(
+                self.core.patch_namespaced_event,
+                name,
+                str(meta["namespace"]),
+                {"count": count + 1, "lastTimestamp": stamp},
+            )
+            self._posted[key] = (name, count + 1, now)
+        except ApiException as e:
+            self._throttle.warn("pod %s: posting Event %s failed (%s)", pod_key(pod), reason, e.status)

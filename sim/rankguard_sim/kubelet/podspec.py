@@ -243,9 +243,13 @@ def container_env(
             if value is None:
                 if ref.get("optional"):
                     continue
+                # the kubelet's words: the object's NotFound error, or the key it lacks
+                if lookup_object is not None and lookup_object(kind, namespace, ref.get("name", "")) is None:
+                    raise SpecError("CreateContainerConfigError", f'{kind} "{ref.get("name")}" not found')
+                title = "Secret" if kind == "secret" else "ConfigMap"
                 raise SpecError(
                     "CreateContainerConfigError",
-                    f"couldn't find key {ref.get('key')} in {kind} {namespace}/{ref.get('name')}",
+                    f"couldn't find key {ref.get('key')} in {title} {namespace}/{ref.get('name')}",
                 )
             env[name] = value
     return env

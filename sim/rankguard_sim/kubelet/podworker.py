@@ -62,6 +62,8 @@ class PodWorker(PodContainers):
         self._status_backoff = 0.0
         self._admission_error: tuple[str, str] | None = None
         self._volumes_retry_at = 0.0
+        self._mounting = ""  # the volume being set up (named in a FailedMount Event)
+        self._events = kubelet.api.pod_events(kubelet.node_name)
         self.released = False
 
     # -- the loop -------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class PodWorker(PodContainers):
             name = str(vol["name"])
             if name in self.volumes:
                 continue
+            self._mounting = name
             if "hostPath" in vol:
                 path = Path(vol["hostPath"]["path"])
                 if vol["hostPath"].get("type") == "DirectoryOrCreate":
@@ -197,10 +200,11 @@ class PodWorker(PodContainers):
         try:
             self._ensure_volumes()
         except (SpecError, ApiException, OSError) as e:
-            message = f"{e.reason}: {e.message}" if isinstance(e, SpecError) else str(e)
-            for slot in [*self.init_slots, *self.slots]:
-                if slot.proc is None and not slot.done and slot.view.last_terminated is None:
-                    slot.view.waiting_message = message
+            # As the real kubelet: the containers wait in ContainerCreating (or PodInitializing)
+            # with no message, and the reason is a Warning Event on the pod, counted per repeat.
+            why = e.message if isinstance(e, SpecError) else str(e)
+            message = f'MountVolume.SetUp failed for volume "{self._mounting}" : {why}'
+            self._events.warn(self.pod, "FailedMount", message, now)
             self.kubelet.warn_throttled("pod %s: volumes not ready: %s", self.key, message)
             self._volumes_retry_at = now + VOLUME_RETRY_SECONDS  # as the kubelet's volume manager retries
             return

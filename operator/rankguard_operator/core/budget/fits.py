@@ -4,8 +4,9 @@
   status keeps, the nodes' GPU Feature Discovery labels), with where it comes from.
 * `check_budget_fits`: the spec's budget inputs against that size and against one request of
   maxModelLen (the model's own KV layout): a pinned budget vLLM would refuse at start-up, a
-  floor no GPU of this size can hold. Raises `SpecError`, so the step refuses the spec (phase
-  Failed, reason InvalidSpec) and applies nothing.
+  floor no GPU of this size can hold, a safety margin that leaves no room for the floor.
+  Raises `SpecError`, so the step refuses the spec (phase Failed, reason InvalidSpec) and
+  applies nothing.
 
 Pure: no I/O, no clock.
 """
@@ -131,4 +132,29 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
             f"{request} needs {format_bytes(one)} of KV cache per GPU, not less than {gpu_text}; "
             "lower spec.engine.maxModelLen, spread the model over more GPUs "
             "(spec.tensorParallelSize, spec.pipelineParallelSize), or set spec.engine.kvCacheDtype: fp8"
+        )
+    _check_margin(spec, size, gpu_text, floor, one)
+
+
+def _check_margin(spec: ServiceSpec, size: int, gpu_text: str, floor: int | None, one: int | None) -> None:
+    """The planner keeps spec.memory.safetyMarginBytes free on every GPU and never plans below the
+    floor (the larger of minKVCacheBytes and one request): a margin that leaves no room, or no
+    room for the floor, would run every pass at the floor and call it Ready."""
+    margin = spec.memory.safety_margin_bytes
+    if margin >= size:
+        raise SpecError(
+            f"spec.memory.safetyMarginBytes ({format_bytes(margin)}, {margin} bytes) is not below "
+            f"{gpu_text}: the planner would keep the whole GPU free; lower it (the default is "
+            "512Mi, for transient peaks)"
+        )
+    if spec.memory.kv_cache_memory_bytes is not None:
+        return  # a pinned budget is not planned down to a floor
+    least = max((b for b in (floor, one) if b is not None), default=None)
+    if least is not None and margin + least >= size:
+        said = "spec.remediation.minKVCacheBytes" if least == floor else "one request of maxModelLen"
+        raise SpecError(
+            f"spec.memory.safetyMarginBytes ({format_bytes(margin)}) and the smallest KV budget "
+            f"rankguard runs ({format_bytes(least)}, {said}) do not fit together in {gpu_text}: "
+            "every plan would end at the floor. Lower spec.memory.safetyMarginBytes (default 512Mi) "
+            "or the floor"
         )

@@ -44,7 +44,9 @@ def scheduler_verdict(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _bounded(text: str, limit: int = SCHEDULER_MESSAGE_CHARS) -> str:
+def bounded(text: str, limit: int = SCHEDULER_MESSAGE_CHARS) -> str:
+    """`text` with its whitespace folded, cut to `limit` characters (Kubernetes' messages quoted
+    in a condition: a scheduler's lists every node, a kubelet's can carry a stack)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
@@ -77,7 +79,7 @@ def unschedulable(
         (
             "Unschedulable",
             f"the scheduler cannot place pod {name}{others}: "
-            f'"{_bounded(message)}". Each replica asks for {gpus} {gpu_resource} on one node '
+            f'"{bounded(message)}". Each replica asks for {gpus} {gpu_resource} on one node '
             "(spec.tensorParallelSize × spec.pipelineParallelSize); free or add such GPUs, lower "
             "the split, or fix spec.template's nodeSelector, affinity and tolerations",
         ),

@@ -1,6 +1,12 @@
 """spec.modelCache: the claim rankguard creates (or the user names), and the ModelCacheReady
 condition that says whether it is bound.
 
+A claim whose controller is another LLMService (`borrowed_from`) is refused, not used: the
+garbage collector deletes it with that service, under this one's running pods, and the next
+roll would wait for it forever. A claim you keep yourself (claimName, no LLMService controller)
+may be shared by any number of services. A claim being deleted (Terminating: kept only while a
+pod mounts it) makes ModelCacheReady False, and it turns True again once a bound claim is back.
+
 The edge reads the claim every pass (`step.surroundings.reads` says which; None when it does not exist)
 and carries out `ApplyClaim` before the Deployment's apply, so the first pod finds its claim.
 A claim's spec is mostly immutable: a change the API server refuses goes the executor's
@@ -15,24 +21,68 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from rankguard_operator.core.conditions import Condition
-from rankguard_operator.core.names import labels, owner_reference
+from rankguard_operator.core.names import OWNER_KIND, labels, owner_reference
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.spec.pod import ModelCacheSpec
 from rankguard_operator.core.units import format_quantity
 
 CONDITION = Condition.MODEL_CACHE_READY
 BOUND, NOT_FOUND, PENDING, LOST = "Bound", "ClaimNotFound", "ClaimPending", "ClaimLost"
+TERMINATING, TAKEN = "ClaimTerminating", "ClaimOwnedByAnotherService"
+# Degraded's reason when spec.modelCache names another LLMService's claim
+DEGRADED_TAKEN = "ModelCacheClaimTaken"
 _EVENTS: dict[str, tuple[Literal["Normal", "Warning"], str]] = {
     BOUND: ("Normal", "ModelCacheBound"),
     NOT_FOUND: ("Warning", "ModelCacheClaimNotFound"),
     PENDING: ("Normal", "ModelCacheClaimPending"),
     LOST: ("Warning", "ModelCacheClaimLost"),
+    TERMINATING: ("Warning", "ModelCacheClaimTerminating"),
+    TAKEN: ("Warning", "ModelCacheClaimTaken"),
 }
 
 
 def _owned_by(claim: Mapping[str, Any], uid: str) -> bool:
     refs = (claim.get("metadata") or {}).get("ownerReferences") or []
     return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
+
+
+def borrowed_from(claim: Mapping[str, Any] | None, uid: str) -> str | None:
+    """The name of the other LLMService that controls `claim` (None: no claim, ours, or no
+    LLMService's)."""
+    refs = ((claim or {}).get("metadata") or {}).get("ownerReferences") or []
+    for r in refs:
+        if isinstance(r, Mapping) and r.get("controller") is True and r.get("kind") == OWNER_KIND:
+            return None if r.get("uid") == uid else str(r.get("name") or "")
+    return None
+
+
+def claim_settled(claim: Mapping[str, Any] | None, service: str) -> bool:
+    """Whether the edge may keep the claim as read for a while (edge/reads.KeptRead): Bound, not
+    being deleted, and no other LLMService's. Any other claim is read every pass, so
+    ModelCacheReady follows it (and a refused service sees the other's claim go)."""
+    meta = (claim or {}).get("metadata") or {}
+    theirs = [
+        r
+        for r in meta.get("ownerReferences") or []
+        if isinstance(r, Mapping)
+        and r.get("controller") is True
+        and r.get("kind") == OWNER_KIND
+        and r.get("name") != service
+    ]
+    phase = ((claim or {}).get("status") or {}).get("phase")
+    return phase == "Bound" and not meta.get("deletionTimestamp") and not theirs
+
+
+def taken_message(cache: ModelCacheSpec, service: str, namespace: str, owner: str) -> str:
+    """Why a claim of another LLMService is refused, and what to do instead."""
+    field = "spec.modelCache.claimName" if not cache.created else "spec.modelCache.size"
+    return (
+        f"PersistentVolumeClaim {cache.claim(service)} in namespace {namespace} ({field}) belongs "
+        f"to LLMService {owner} (its controller): it is deleted with {owner}, under this "
+        "service's pods, so rankguard does not use it and applies nothing for this service. Point "
+        "spec.modelCache.claimName at a claim you create yourself (it may be shared by several "
+        "services), or give spec.modelCache.size for one of this service's own"
+    )
 
 
 def claim_to_apply(
@@ -65,11 +115,32 @@ def _storage(claim: Mapping[str, Any]) -> str:
 
 
 def condition(
-    cache: ModelCacheSpec, service: str, namespace: str, claim: Mapping[str, Any] | None
+    cache: ModelCacheSpec,
+    service: str,
+    namespace: str,
+    claim: Mapping[str, Any] | None,
+    *,
+    uid: str,
 ) -> tuple[str, str, str]:
-    """(status, reason, message) of ModelCacheReady for the claim as read this pass."""
+    """(status, reason, message) of ModelCacheReady for the claim as read this pass (`uid`:
+    this LLMService's, to tell another's claim)."""
     name = cache.claim(service)
     where = f"PersistentVolumeClaim {name} in namespace {namespace}"
+    owner = borrowed_from(claim, uid)
+    if owner is not None:
+        return "False", TAKEN, taken_message(cache, service, namespace, owner)
+    if claim is not None and (claim.get("metadata") or {}).get("deletionTimestamp"):
+        fix = (
+            "rankguard creates a new, empty one once it is gone"
+            if cache.created
+            else "re-create it once it is gone, or point spec.modelCache.claimName at another claim"
+        )
+        return (
+            "False",
+            TERMINATING,
+            f"{where} is being deleted: it stays only while a pod mounts it, and new serving pods "
+            f"cannot start on it; {fix}",
+        )
     if claim is None:
         if cache.created:
             size = format_quantity(cache.size_bytes) if cache.size_bytes is not None else "?"

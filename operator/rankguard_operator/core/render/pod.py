@@ -13,13 +13,22 @@ group asks for its share of the GPUs and tells vLLM its own address (`VLLM_HOST_
 The caller plans once per pass and hands the spec's prior plan in: it sizes the start-up
 utilisation rendered next to a byte budget and the agent's probe collectives.
 
+The kubelet expands `$(NAME)` in a container's command, args and env values from the
+container's env, and spec.template may add env: a `$(X)` in extraArgs would run vLLM with flags
+no check saw and status does not show. So every text rendered from the spec reaches the kubelet
+escaped (`$` as `$$`, which the kubelet turns back into `$`): `kube_argv`, the last step of the
+vLLM container's command, is the one place, and only rankguard's own references (`KubeRef`: a
+group's node rank and leader address) pass through as written. `vllm_args` and everything
+built on it (status, `rankguard plan`) keep the user's text; `served_argv` reads a rendered
+command back as the process receives it.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +64,47 @@ def startup_failures(spec: ServiceSpec) -> int:
     return -(-spec.engine.startup_timeout_seconds // STARTUP_PROBE_PERIOD_SECONDS)  # ceil
 
 
+class KubeRef(str):
+    """Text of rankguard's own that the kubelet is meant to expand (`$(RANKGUARD_NODE_RANK)`,
+    `$(LWS_LEADER_ADDRESS)`): `kube_argv` passes it as written. Any other text is escaped."""
+
+
+def kube_text(text: str) -> str:
+    """`text` as the kubelet must receive it to hand `text` itself to the process: every `$`
+    doubled (the kubelet turns `$$` into `$`, so no `$(NAME)` in it is expanded). A `KubeRef`
+    is passed as written, as a plain str (YAML's safe dumper knows no str subclass)."""
+    return str(text) if isinstance(text, KubeRef) else text.replace("$", "$$")
+
+
+def kube_argv(args: Sequence[str]) -> list[str]:
+    """A container's command as rendered into the pod: `kube_text` of every word."""
+    return [kube_text(a) for a in args]
+
+
+def kube_expand(text: str, variables: Mapping[str, str] | None = None) -> str:
+    """What the kubelet makes of `text` (a command word or an env value): `$$` is `$`, `$(NAME)`
+    is NAME's value in `variables` (left as written when NAME is not there, as the kubelet
+    leaves an undefined one), any other `$` is kept. `kube_expand(kube_text(t)) == t`."""
+    known = variables or {}
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        if text[i] != "$" or i + 1 >= n:
+            out.append(text[i])
+            i += 1
+        elif text[i + 1] == "$":
+            out.append("$")
+            i += 2
+        elif text[i + 1] == "(" and (close := text.find(")", i + 2)) >= 0:
+            name = text[i + 2 : close]
+            out.append(known.get(name, text[i : close + 1]))
+            i = close + 1
+        else:
+            out.append(text[i : i + 2])
+            i += 2
+    return "".join(out)
+
+
 @dataclass(frozen=True)
 class GroupNode:
     """One pod's place in a multi-node group, as its command line and env say it.
@@ -76,10 +126,12 @@ class GroupNode:
         return self.role == "leader"
 
     def vllm_flags(self) -> list[str]:
-        """vLLM's multi-node flags for this pod (every pod of the group agrees on all but two)."""
-        rank = "0" if self.leader else f"$({NODE_RANK_ENV})"
+        """vLLM's multi-node flags for this pod (every pod of the group agrees on all but two).
+        Rankguard's own text, references included (`KubeRef`): the worker's node rank, and
+        LeaderWorkerSet's leader address, are the kubelet's to expand."""
+        rank = "0" if self.leader else KubeRef(f"$({NODE_RANK_ENV})")
         flags = ["--nnodes", str(self.nnodes), "--node-rank", rank]
-        flags += ["--master-addr", self.master_addr, "--master-port", str(self.master_port)]
+        flags += ["--master-addr", KubeRef(self.master_addr), "--master-port", str(self.master_port)]
         if self.timeout_seconds is not None:
             flags += ["--distributed-timeout-seconds", str(self.timeout_seconds)]
         return flags if self.leader else [*flags, "--headless"]
@@ -110,7 +162,9 @@ def vllm_args(
     from it alone. A utilisation is still rendered next to it for vLLM's start-up check
     (budget.startup_utilization over the spec's prior `plan`, kept below the free memory
     vLLM measured at start-up, `startup_free_bytes`, and above the weights another process holds
-    on the GPU, `external_weight_bytes`), so a small card under TP is not refused at start."""
+    on the GPU, `external_weight_bytes`), so a small card under TP is not refused at start.
+
+    The user's text as written (status shows these); the pod gets them through `kube_argv`."""
     e = spec.engine
     args = ["serve", spec.model.name, "--tensor-parallel-size", str(spec.tp)]
     if spec.pp > 1:
@@ -148,12 +202,14 @@ def vllm_args(
     return args + list(e.extra_args)
 
 
-def served_argv(pod_spec: Mapping[str, Any]) -> list[str]:
+def served_argv(pod_spec: Mapping[str, Any], variables: Mapping[str, str] | None = None) -> list[str]:
     """The `vllm` arguments a rendered (or running) pod spec's vLLM container runs: everything
-    after the launcher's `-- vllm`, starting with `serve`. Raises ValueError when the container
+    after the launcher's `-- vllm`, starting with `serve`, as the process receives them (the
+    kubelet's expansion undone by `kube_expand`: `$$` is `$`; the `$(NAME)` references of
+    `variables` replaced, any other left as written). Raises ValueError when the container
     does not start vLLM through the launcher."""
     [container] = [c for c in pod_spec["containers"] if c["name"] == VLLM_CONTAINER]
-    command = list(container["command"])
+    command = [kube_expand(str(word), variables) for word in container["command"]]
     at = command.index("--")
     if command[at + 1 : at + 2] != ["vllm"]:
         raise ValueError(f"the launcher does not start vllm: {command}")
@@ -228,13 +284,19 @@ def _group_env(node: GroupNode | None) -> list[dict[str, Any]]:
     # address the other pods reach it on
     env = [{"name": "VLLM_HOST_IP", "valueFrom": _field_ref("status.podIP")}, rank]
     if node.network_interface is not None:
-        env += [{"name": n, "value": node.network_interface} for n in INTERFACE_ENV]
+        # the spec's text: the kubelet expands env values too
+        env += [{"name": n, "value": kube_text(node.network_interface)} for n in INTERFACE_ENV]
     return env
 
 
 def _env(name: str, spec: ServiceSpec, node: GroupNode | None) -> list[dict[str, Any]]:
     field_ref = _field_ref
-    cache = [] if spec.model_cache is None else [{"name": CACHE_ENV, "value": spec.model_cache.mount_path}]
+    # the spec's text: the kubelet expands env values too (a mount path it does not)
+    cache = (
+        []
+        if spec.model_cache is None
+        else [{"name": CACHE_ENV, "value": kube_text(spec.model_cache.mount_path)}]
+    )
     return [
         # NVML enumerates in PCI bus order, CUDA "fastest first" by default: make them agree,
         # so rank i's figures are read from the GPU rank i actually uses.
@@ -277,12 +339,15 @@ def pod_spec(
     vllm: dict[str, Any] = {
         "name": VLLM_CONTAINER,
         "image": spec.image,
-        "command": [
-            *agent_args(spec, plan, shape),
-            "--",
-            "vllm",
-            *vllm_args(spec, flags, plan, startup_free_bytes, external_weight_bytes, node=node),
-        ],
+        # the last step of the argv: nothing of the spec is expanded by the kubelet
+        "command": kube_argv(
+            [
+                *agent_args(spec, plan, shape),
+                "--",
+                "vllm",
+                *vllm_args(spec, flags, plan, startup_free_bytes, external_weight_bytes, node=node),
+            ]
+        ),
         "env": _env(name, spec, node),
         "ports": [
             *([{"name": "http", "containerPort": VLLM_HTTP_PORT, "protocol": "TCP"}] if serves_http else []),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rankguard_operator.core.units import MiB
+from rankguard_operator.core.units import MiB, TiB
 
 # spec.engine
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default is 256 or 1024 by GPU size; rankguard passes it explicitly
@@ -33,6 +33,10 @@ DEFAULT_MIN_HEADROOM_BYTES = 256 * MiB
 # smaller figure is a unit mistake (bytes for GiB). The model-aware bound (one request of
 # maxModelLen) is checked once the shape is known (budget.fits).
 MIN_PINNED_KV_BYTES = MiB
+# The most any per-GPU byte field takes (memory.kvCacheMemoryBytes, safetyMarginBytes,
+# minHeadroomBytes, gpuMemoryBytes; remediation.minKVCacheBytes, maxKVCacheBytes): 1 TiB, above
+# every GPU made (288 GB in 2025), so a larger figure is a unit mistake, never a card.
+MAX_GPU_BYTES = TiB
 
 # spec.remediation
 DEFAULT_COOLDOWN_SECONDS = 300

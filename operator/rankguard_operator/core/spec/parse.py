@@ -42,6 +42,7 @@ from rankguard_operator.core.spec.crd import (
     KV_CACHE_DTYPES,
     LISTEN_ADDRESSES,
     LOGITS_MODES,
+    MAX_GPU_BYTES,
     MAX_GPUS_PER_REPLICA,
     MIN_PINNED_KV_BYTES,
     SHAPE_OVERRIDE_KEYS,
@@ -254,7 +255,7 @@ def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
     util = number_field(m, "gpuMemoryUtilization", w, None, lo=0.0, hi=0.99)
     if util is not None and util <= 0:
         raise SpecError("spec.memory.gpuMemoryUtilization must be above 0 (a fraction of each GPU's memory)")
-    kv = int_field(m, "kvCacheMemoryBytes", w, None, lo=1)
+    kv = int_field(m, "kvCacheMemoryBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
     if kv is not None and kv < MIN_PINNED_KV_BYTES:
         raise SpecError(
             f"spec.memory.kvCacheMemoryBytes must be at least {MIN_PINNED_KV_BYTES} (1 MiB), got {kv}: "
@@ -266,14 +267,14 @@ def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
             "spec.memory.gpuMemoryUtilization (a starting fraction), not both; leave both unset to let "
             "rankguard plan the budget per rank"
         )
-    margin = required_int(m, "safetyMarginBytes", w, DEFAULT_SAFETY_MARGIN_BYTES, lo=0)
-    min_headroom = required_int(m, "minHeadroomBytes", w, DEFAULT_MIN_HEADROOM_BYTES, lo=0)
+    margin = required_int(m, "safetyMarginBytes", w, DEFAULT_SAFETY_MARGIN_BYTES, lo=0, hi=MAX_GPU_BYTES)
+    min_headroom = required_int(m, "minHeadroomBytes", w, DEFAULT_MIN_HEADROOM_BYTES, lo=0, hi=MAX_GPU_BYTES)
     if min_headroom > margin:
         raise SpecError(
             f"spec.memory.minHeadroomBytes ({min_headroom}) must not exceed spec.memory.safetyMarginBytes "
             f"({margin}): a budget planned with that margin would count as memory pressure at once"
         )
-    gpu = int_field(m, "gpuMemoryBytes", w, None, lo=1)
+    gpu = int_field(m, "gpuMemoryBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
     if kv is not None and gpu is not None and kv >= gpu:
         raise SpecError(
             "spec.memory.kvCacheMemoryBytes must be smaller than spec.memory.gpuMemoryBytes: the KV cache "
@@ -292,8 +293,8 @@ def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
 def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> RemediationSpec:
     w = "spec.remediation"
     r = section(spec, "remediation", "spec")
-    lo = int_field(r, "minKVCacheBytes", w, None, lo=1)
-    hi = int_field(r, "maxKVCacheBytes", w, None, lo=1)
+    lo = int_field(r, "minKVCacheBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
+    hi = int_field(r, "maxKVCacheBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
     if lo is not None and hi is not None and lo > hi:
         raise SpecError(
             f"spec.remediation.minKVCacheBytes ({lo}, the floor) must be <= "

@@ -8,6 +8,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from rankguard_operator.core.spec.fields import (
     section,
     str_field,
 )
-from rankguard_operator.core.spec.template import RESERVED_MOUNTS
+from rankguard_operator.core.spec.template import RESERVED_MOUNTS, mount_path, under
 
 # A device plugin's extended resource: a domain-prefixed name outside kubernetes.io.
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -137,16 +138,15 @@ def parse_model_cache(spec: Mapping[str, Any]) -> ModelCacheSpec | None:
             )
         modes = tuple(dict.fromkeys(raw_modes))
     mount = str_field(c, "mountPath", w, DEFAULT_CACHE_MOUNT) or DEFAULT_CACHE_MOUNT
-    path = mount.rstrip("/")
-    if (
-        not mount.startswith("/")
-        or not path
-        or any(path == m or path.startswith(m + "/") for m in RESERVED_MOUNTS)
-    ):
+    # compared after normalising (`/opt/rankguard/./agent` is the agent's); then `..`, /dev,
+    # /proc and /sys refused by mount_path
+    norm = posixpath.normpath("/" + mount.lstrip("/"))
+    if not mount.startswith("/") or norm == "/" or any(under(norm, m) for m in RESERVED_MOUNTS):
         raise SpecError(
             f"spec.modelCache.mountPath {mount!r} must be an absolute path other than /, "
             f"{' and '.join(RESERVED_MOUNTS)}: rankguard mounts its own volumes there"
         )
+    path = mount_path(mount, f"{w}.mountPath")
     return ModelCacheSpec(
         claim_name=claim,
         size_bytes=size,

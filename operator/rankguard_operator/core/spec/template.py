@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,10 @@ CACHE_ENV = "HF_HOME"
 RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", MANAGED_BY_LABEL)
 RESERVED_VOLUMES = (AGENT_VOLUME, SHM_VOLUME, CACHE_VOLUME)
 RESERVED_MOUNTS = (SHM_MOUNT_PATH, AGENT_MOUNT_PATH)
+# The container runtime's own trees: a volume there hides the devices (the GPUs' /dev/nvidia*,
+# the shared memory NCCL uses), the process table or the kernel's interfaces the engine and the
+# agent read. No user mount may be at or under them.
+SYSTEM_PATHS = ("/dev", "/proc", "/sys")
 _OWN_PREFIX = LLMSERVICE_LABEL.split("/", 1)[0] + "/"  # rankguard.io/
 _APPENDED = ("volumes", "imagePullSecrets", "tolerations", "topologySpreadConstraints", "hostAliases")
 
@@ -106,8 +111,44 @@ class PodTemplate:
         return self.doc == "{}"
 
 
-def _norm(path: str) -> str:
-    return path.rstrip("/") or "/"
+def under(path: str, root: str) -> bool:
+    """`path` is `root` or below it (both normalised)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def mount_path(path: str, where: str, reserved: Sequence[str] = (), *, exact: str | None = None) -> str:
+    """A user's mount path normalised the way the container runtime resolves it (`//` and `/./`
+    collapsed, no trailing `/`, relative to /), so rankguard's paths are not reached by another
+    spelling. Refused, naming the field `where`: a `..` component; a path at or under one of
+    `reserved` (rankguard's own mounts) or equal to `exact`; a path at or under /dev, /proc or
+    /sys (SYSTEM_PATHS)."""
+    if ".." in path.split("/"):
+        raise SpecError(f"{where} {path!r} has a '..' component: give the path without it")
+    # normpath keeps a leading "//" (POSIX leaves its meaning open); the runtime does not
+    norm = posixpath.normpath("/" + path.lstrip("/"))
+    if any(under(norm, m) for m in reserved) or norm == exact:
+        raise SpecError(
+            f"{where} {path!r} is rankguard's (/dev/shm, the agent, the model cache); size /dev/shm "
+            "with spec.resources.sharedMemorySize and the cache with spec.modelCache"
+        )
+    for root in SYSTEM_PATHS:
+        if under(norm, root):
+            raise SpecError(
+                f"{where} {path!r} is at or under {root}: /dev, /proc and /sys are the container "
+                "runtime's (a volume there hides the GPUs' devices, the shared memory NCCL uses or the "
+                "kernel's interfaces); mount it elsewhere"
+            )
+    return norm
+
+
+def _check_mounts(
+    c: Mapping[str, Any], where: str, reserved: Sequence[str] = (), exact: str | None = None
+) -> None:
+    """Every volumeMount of a container through `mount_path`."""
+    for i, m in enumerate(_list(c.get("volumeMounts") or [], f"{where}.volumeMounts")):
+        path = _object(m, f"{where}.volumeMounts[{i}]").get("mountPath")
+        if isinstance(path, str):
+            mount_path(path, f"{where}.volumeMounts[{i}].mountPath", reserved, exact=exact)
 
 
 def _object(value: Any, where: str) -> Mapping[str, Any]:
@@ -183,16 +224,11 @@ def _check_vllm(c: Mapping[str, Any], cache_mount: str | None) -> None:
         if name in reserved_env:
             why = "it points at spec.modelCache" if name == CACHE_ENV else "rankguard sets it for the agent"
             raise SpecError(f"{where}.env cannot set {name}: {why}")
-    mounts = set(RESERVED_MOUNTS) | ({cache_mount} if cache_mount is not None else set())
+    # the agent's bundle is hidden by a mount anywhere under it, the cache only by one on it (a
+    # volume inside the cache, e.g. a read-only hub, is the user's to add)
+    _check_mounts(c, where, RESERVED_MOUNTS, cache_mount)
     for i, m in enumerate(_list(c.get("volumeMounts") or [], f"{where}.volumeMounts")):
         mount = _object(m, f"{where}.volumeMounts[{i}]")
-        path = mount.get("mountPath")
-        if isinstance(path, str) and _norm(path) in mounts:
-            raise SpecError(
-                f"{where}.volumeMounts[{i}].mountPath {path!r} is rankguard's (/dev/shm, the agent, "
-                "the model cache); size /dev/shm with spec.resources.sharedMemorySize and the cache "
-                "with spec.modelCache"
-            )
         if mount.get("name") in (AGENT_VOLUME, SHM_VOLUME):
             raise SpecError(
                 f"{where}.volumeMounts[{i}] cannot mount rankguard's volume {mount.get('name')!r}"
@@ -232,6 +268,10 @@ def parse_template(raw: Any, cache_mount: str | None = None) -> PodTemplate:
             _check_vllm(c, cache_mount)
         elif not c.get("image"):
             raise SpecError(f"{where}.containers[{c['name']}] runs beside vLLM and needs an image")
+        else:
+            _check_mounts(c, f"{where}.containers[{c['name']}]")
+    for c in inits:
+        _check_mounts(c, f"{where}.initContainers[{c['name']}]")
     if any(c["name"] == VLLM_CONTAINER for c in inits):
         raise SpecError(
             f"{where}.initContainers cannot be named {VLLM_CONTAINER!r}: that is vLLM's container"

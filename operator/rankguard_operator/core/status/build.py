@@ -18,6 +18,7 @@ from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
+from rankguard_operator.core.observe.pod_blockers import REASONS as POD_BLOCKER_REASONS
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.policy.history import Remediation, history_from_status
@@ -32,10 +33,11 @@ HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations
 # healthy. They stay (the condition kept as written, with the generation it was written for)
 # until the flags change or a person changes the spec.
 STICKY_REASONS = ("OOMAtFloor", "PinnedBudgetOOM", "MemoryLimitAtCap")
-# Degraded reasons that describe what holds now (a pod the scheduler cannot place, a spec that
-# cannot be served): they go as soon as it no longer holds, never kept "until ready" (a spec
-# that was fixed is being deployed, not invalid).
-OBSERVED_REASONS = ("Unschedulable", "InvalidSpec")
+# Degraded reasons that describe what holds now (a pod the scheduler cannot place or that cannot
+# start, core/observe/pod_blockers; a spec that cannot be served): they go as soon as it no
+# longer holds, never kept "until ready" (a spec that was fixed is being deployed, not invalid).
+# (NameTaken, ModelCacheClaimTaken: core/step/surroundings.refusal, while another service holds it)
+OBSERVED_REASONS = ("Unschedulable", "InvalidSpec", "NameTaken", "ModelCacheClaimTaken", *POD_BLOCKER_REASONS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class ServiceState:
     low_headroom_since: float | None = None
     ample_headroom_since: float | None = None
     unschedulable_since: float | None = None  # core/observe/blockers' clock
+    stuck_since: float | None = None  # core/observe/pod_blockers' clock
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
     # status.engine (core/status/engine): vLLM's own per-rank memory rows, kept from the
@@ -129,6 +130,7 @@ class ServiceState:
             low_headroom_since=_since(s.get("lowHeadroomSince")),
             ample_headroom_since=_since(s.get("ampleHeadroomSince")),
             unschedulable_since=_since(s.get("unschedulableSince")),
+            stuck_since=_since(s.get("stuckSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
             engine_rows=_engine_rows(engine),

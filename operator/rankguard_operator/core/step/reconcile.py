@@ -6,7 +6,8 @@ alike; what each stage calls lives in the rooms below it.)
 (The step reads as the loop does, top to bottom, in one place; its inputs and outputs live in
 `step.world`, its state in `status.service_state`, its effects in `effects`, the pod-shaped
 conditions in `step.surroundings`, what the pods show that no decision answers in
-`observe.blockers`, the budgets no GPU can run in `budget.fits`, and the one Event per change of
+`observe.blockers` and `observe.pod_blockers`, the budgets no GPU can run in `budget.fits`,
+the Failed service's scale to zero in `step.scale_down`, and the one Event per change of
 Degraded in `status.degraded`.)
 
 `state` is what `.status` carries from one pass to the next (typed: `ServiceState`); `world`
@@ -54,7 +55,7 @@ from rankguard_operator.core.effects import (
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
-from rankguard_operator.core.observe import blockers, pods
+from rankguard_operator.core.observe import blockers, pod_blockers, pods
 from rankguard_operator.core.observe.groups import group_view, live_groups
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.policy.history import history_from_status
@@ -72,7 +73,7 @@ from rankguard_operator.core.status.degraded import degraded_event, said_before
 from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.status.patch import merged_status, status_patch
 from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
-from rankguard_operator.core.step import group_roll, surroundings
+from rankguard_operator.core.step import group_roll, scale_down, surroundings
 from rankguard_operator.core.step.world import (
     ReportInput,
     Settings,
@@ -93,6 +94,10 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
     """One pass: finish a pending remediation, observe, decide, act, report."""
     try:
         spec = parse_spec(world.spec)
+        # a name an older LLMService holds, or another's cache claim: nothing is applied
+        refused = surroundings.refusal(world, spec)
+        if refused is not None:
+            return invalid_spec(state, world, refused.message, refused.reason, refused.conditions)
         model = resolve(spec, world.model_config, state.learned_model)
         node_gpu = surroundings.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
         # a budget no start can have is refused before anything is deployed (core/budget/fits)
@@ -289,6 +294,14 @@ class _Pass:
             gpus=spec.gpus_per_pod,
             gpu_resource=spec.resources.gpu_resource_name,
         )
+        stuck = pod_blockers.pod_blockers(
+            w.pods,
+            state.stuck_since,
+            w.now,
+            deployment=w.deployment if spec.distributed is None else None,
+            statefulsets=w.statefulsets,
+            events=w.events,
+        )
         try:
             self.learn_model(reports)
             engine = engine_view(state, spec, observation, self.key, fresh_terms)
@@ -415,7 +428,7 @@ class _Pass:
             rollout=rollout,
             ready_replicas=ready,
             history=self.history,
-            blocker=unscheduled.blocker,
+            blocker=unscheduled.blocker or stuck.blocker,
         )
         new_status.update(self.updates)
         if self.members is not None:
@@ -462,6 +475,7 @@ class _Pass:
                 "lowHeadroomSince": iso_or_none(low_since),
                 "ampleHeadroomSince": iso_or_none(ample_since),
                 "unschedulableSince": iso_or_none(unscheduled.since),
+                "stuckSince": iso_or_none(stuck.since),
                 "serviceApplied": True,
             }
         )
@@ -476,30 +490,38 @@ class _Pass:
             decision,
             phase,
             settled.agents_unavailable,
-            pass_again_after=unscheduled.due_in,
+            pass_again_after=min(
+                (t for t in (unscheduled.due_in, stuck.due_in) if t is not None), default=None
+            ),
             spec=spec,
             terminations=tuple(fresh_terms),
         )
 
 
-def invalid_spec(state: ServiceState, world: World, message: str) -> Step:
-    """A spec rankguard cannot serve: say why on the object and touch nothing else."""
+def invalid_spec(
+    state: ServiceState,
+    world: World,
+    message: str,
+    reason: str = "InvalidSpec",
+    more: Sequence[tuple[Condition, str, str, str]] = (),
+) -> Step:
+    """A spec rankguard cannot serve (or a refusal of `reason`, setting the conditions in `more`
+    too): say why on the object, and touch nothing else but the scale of a workload none of
+    whose pods serves (core/step/scale_down: a Failed service holds no GPUs)."""
     when = iso(world.now)
+    scaled, said = scale_down.hold_nothing(world.deployment, world.statefulsets, world.uid)
+    message = f"{message.rstrip('.')}. {said}" if said else message
     conditions = list(state.raw.get("conditions") or [])
-    for cond in (Condition.DEGRADED, Condition.READY):
-        conditions = set_condition(
-            conditions,
-            cond,
-            "True" if cond is Condition.DEGRADED else "False",
-            "InvalidSpec",
-            message,
-            when,
-            world.generation,
-        )
+    for cond, status, why, text in (
+        (Condition.DEGRADED, "True", reason, message),
+        (Condition.READY, "False", reason, message),
+        *more,
+    ):
+        conditions = set_condition(conditions, cond, status, why, text, when, world.generation)
     new = {"phase": Phase.FAILED.value, "observedGeneration": world.generation, "conditions": conditions}
-    effects: list[Effect] = []
-    if not said_before(state.raw.get("conditions") or [], "InvalidSpec", message):
-        effects.append(PostEvent("Warning", "InvalidSpec", message, repeat=True))  # once per change
+    effects: list[Effect] = list(scaled)
+    if not said_before(state.raw.get("conditions") or [], reason, message):
+        effects.append(PostEvent("Warning", reason, message, repeat=True))  # once per change
     patch = status_patch(state.raw, new)
     if patch is not None:
         effects.append(WriteStatus(patch))

@@ -1,8 +1,10 @@
 """What the serving pods' surroundings add to a pass: the model cache's claim, the agents that
 do not report, and the GPU size the nodes' labels state.
 
-`reconcile.step` calls three functions here, so the step itself grows by a few lines:
+`reconcile.step` calls four functions here, so the step itself grows by a few lines:
 
+* `refusal`: a name another, older LLMService holds (core/render/taken_names), or a cache claim
+  another LLMService controls: the step applies nothing and says why.
 * `claim_effects`: the `ApplyClaim` to carry out before anything is rolled.
 * `node_gpu`: one GPU's size from the nodes' GPU Feature Discovery labels (core/budget/gpu_labels),
   where the spec does not give it.
@@ -24,6 +26,7 @@ from rankguard_operator.core.effects import ApplyClaim, PostEvent
 from rankguard_operator.core.observe import agent_ready
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.render import claim as model_cache
+from rankguard_operator.core.render.taken_names import taken, taken_message
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.step.world import World
@@ -43,6 +46,34 @@ def claim_effects(
         spec_changed=first_pass or world.generation != observed_generation,
     )
     return [] if body is None else [ApplyClaim(body)]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the step applies nothing this pass: Degraded's reason and message, and the other
+    conditions the refusal sets ((type, status, reason, message) each)."""
+
+    reason: str
+    message: str
+    conditions: tuple[tuple[Condition, str, str, str], ...] = ()
+
+
+NAME_TAKEN = "NameTaken"
+
+
+def refusal(world: World, spec: ServiceSpec) -> Refusal | None:
+    """A name of this service that an older LLMService holds, or a model cache claim another
+    LLMService controls (it would be deleted with that service, under this one's pods)."""
+    rival = taken(world.name, world.name_rivals)
+    if rival is not None:
+        return Refusal(NAME_TAKEN, taken_message(world.name, rival))
+    cache = spec.model_cache
+    if cache is None or model_cache.borrowed_from(world.cache_claim, world.uid) is None:
+        return None
+    status, reason, message = model_cache.condition(
+        cache, world.name, world.namespace, world.cache_claim, uid=world.uid
+    )
+    return Refusal(model_cache.DEGRADED_TAKEN, message, ((model_cache.CONDITION, status, reason, message),))
 
 
 def node_gpu(world: World, spec: ServiceSpec) -> NodeGpu | None:
@@ -94,7 +125,7 @@ def settle(
     else:
         put(
             model_cache.CONDITION,
-            *model_cache.condition(cache, world.name, world.namespace, world.cache_claim),
+            *model_cache.condition(cache, world.name, world.namespace, world.cache_claim, uid=world.uid),
             model_cache.event,
         )
 

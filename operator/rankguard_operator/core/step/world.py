@@ -25,6 +25,7 @@ from rankguard_operator.core.observe.pods import (
     pod_ip,
     pod_ready,
 )
+from rankguard_operator.core.render.taken_names import NameRivals
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.status.patch import merged_status
@@ -68,6 +69,11 @@ class World:
     cache_claim: Mapping[str, Any] | None = None  # spec.modelCache's claim as read (None: not there)
     agent_misses: Sequence[AgentMiss] = ()  # why scraped pods sent no valid report (core/observe/agent_ready)
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # serving pods' nodes
+    # the other LLMServices that take one of this one's names (core/render/taken_names); None: unknown
+    name_rivals: NameRivals | None = None
+    # the Warning Events of the objects core/observe/pod_blockers.event_subjects names, by the
+    # involved object's uid (a volume the kubelet cannot mount is said only in an Event)
+    events: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
