@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reconcile_world import Cluster, crash_loop, engine_error_record, running
+from reconcile_world import Cluster, crash_loop, engine_error_record, pod, running
 
 from rankguard_operator.core.effects import ApplyDeployment, ApplyObject
 from rankguard_operator.core.observe.pods import deployment_template_hash
@@ -59,6 +59,41 @@ def test_a_serving_service_given_an_invalid_edit_keeps_serving() -> None:
     assert scale_down.KEEPS_SERVING in failed(c)["message"]
 
 
+def test_pods_still_starting_under_the_last_good_render_are_kept_through_an_invalid_edit() -> None:
+    c = Cluster()
+    c.run()  # deployed; its pod starts (vLLM loads for minutes): not ready, nothing crashed yet
+    assert c.deployment is not None
+    annotations = c.deployment["spec"]["template"]["metadata"]["annotations"]
+    c.pods = [pod("svc-1", annotations, ready=False)]
+    c.deployment["status"] = {"replicas": 1, "readyReplicas": 0}
+    c.spec["engine"] = {**c.spec.get("engine", {}), "extraArgs": BAD_FLAG}
+    c.generation += 1
+    step = c.run()
+    assert not [e for e in step.effects if isinstance(e, (ApplyDeployment, ApplyObject))]
+    assert scale_down.KEEPS_STARTING in failed(c)["message"]
+    # once its vLLM has crashed, the pod will not serve: the workload goes to zero
+    crash_loop(c, engine_error_record(), run=0)
+    step = c.run()
+    [scaled] = [e for e in step.effects if isinstance(e, ApplyDeployment)]
+    assert scaled.body["spec"]["replicas"] == 0
+    assert scale_down.SCALED_TO_ZERO in failed(c)["message"]
+
+
+def test_a_budget_the_deployed_render_cannot_run_goes_to_zero_before_any_crash() -> None:
+    live = {
+        "metadata": {
+            "name": "svc",
+            "ownerReferences": [{"uid": "uid-1", "controller": True, "kind": "LLMService"}],
+        },
+        "spec": {"replicas": 1, "template": {}},
+        "status": {"readyReplicas": 0},
+    }
+    starting = [pod("svc-1", {}, ready=False)]
+    assert scale_down.hold_nothing(live, [], "uid-1", starting) == ([], scale_down.KEEPS_STARTING)
+    effects, said = scale_down.hold_nothing(live, [], "uid-1", starting, cannot_run=True)
+    assert said == scale_down.SCALED_TO_ZERO and [e.body["spec"]["replicas"] for e in effects] == [0]
+
+
 def test_only_what_the_service_controls_is_scaled() -> None:
     theirs = {
         "metadata": {"name": "svc", "ownerReferences": [{"uid": "other", "controller": True}]},
@@ -90,7 +125,7 @@ def test_a_groups_statefulsets_go_to_zero_together() -> None:
         }
 
     effects, said = scale_down.hold_nothing(
-        None, [sts("svc-g0-leader", 1, 0), sts("svc-g0-workers", 1, 0)], "uid-1"
+        None, [sts("svc-g0-leader", 1, 0), sts("svc-g0-workers", 1, 0)], "uid-1", cannot_run=True
     )
     assert said == scale_down.SCALED_TO_ZERO
     assert [e.body["spec"]["replicas"] for e in effects if isinstance(e, ApplyObject)] == [0, 0]

@@ -277,3 +277,17 @@ def test_the_executor_remembers_a_statefulsets_earlier_templates() -> None:
     assert first not in ex._earlier_set_templates([statefulset("set-1", "svc-g0", TEMPLATE)])["set-1"]
     # a set that is gone is forgotten
     assert ex._earlier_set_templates([]) == {} and ex._set_templates == {}
+
+
+@pytest.mark.parametrize(
+    ("reason", "hinted"),
+    [("not-from-template", True), ("wrong-name", True), ("no-owner", False), ("foreign-owner", False)],
+)
+def test_an_ignored_pod_is_said_on_the_service_with_the_webhook_hint_only_for_provenance(
+    reason: ownership.IgnoredReason, hinted: bool
+) -> None:
+    event = ownership.ignored_event(ownership.Ignored("svc-7d9f-abcde", "u1", reason))
+    assert (event.type, event.reason, event.repeat) == ("Warning", "PodIgnored", True)
+    assert "pod svc-7d9f-abcde carries this service's labels" in event.message
+    assert f"({reason})" in event.message
+    assert ("mutating admission webhook" in event.message) is hinted

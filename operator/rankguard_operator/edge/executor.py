@@ -118,6 +118,7 @@ class ServiceExecutor:
         self._applied_sets: dict[str, tuple[float, dict[str, Any]]] = {}  # StatefulSets: name -> (when, body)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
         self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
+        self._newly_ignored: list[ownership.Ignored] = []  # this pass's, said in an Event
         self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
         # StatefulSet UID -> fingerprints of the pod templates it carried, oldest first: a
         # group replace's old pods still count until they are gone (core/observe/ownership)
@@ -231,15 +232,9 @@ class ServiceExecutor:
             if i.reason in ("unknown-replicaset", "no-deployment", "unknown-statefulset") and waiting:
                 continue
             self._ignored.add(i.uid)
+            self._newly_ignored.append(i)
             PODS_IGNORED.labels(namespace=self.namespace, llmservice=self.name, reason=i.reason).inc()
-            log.warning(
-                "LLMService %s/%s: ignoring pod %s, which carries its labels but was not made by its "
-                "Deployment (%s): never scraped nor acted upon",
-                self.namespace,
-                self.name,
-                i.pod,
-                i.reason,
-            )
+            log.warning("LLMService %s/%s: %s", self.namespace, self.name, ownership.ignored_message(i))
         live = {str((p.get("metadata") or {}).get("uid") or "") for p in seen.pods}
         self._ignored &= live
         self._unvouched = {u: t for u, t in self._unvouched.items() if u in live and u not in self._ignored}
@@ -268,6 +263,9 @@ class ServiceExecutor:
         deployment = self._deployment(seen.deployment)
         statefulsets = self._statefulsets(seen.statefulsets)
         pods = self._trusted(seen, deployment, uid, statefulsets)
+        for ignored in self._newly_ignored:
+            await self._event(body, ownership.ignored_event(ignored))
+        self._newly_ignored = []
         model_config = await self._model_config(spec, generation)
         wanted = reads(spec, self.name, pods)
         claim = await self.claims.get(wanted.claim, generation) if wanted.claim else None

@@ -28,6 +28,11 @@ from rankguard_operator.core.units import format_bytes
 # Budgets no GPU can run
 
 
+class BudgetDoesNotFit(SpecError):
+    """A budget the deployed render cannot run either (its pods crash or never start): a Failed
+    service refused for this is scaled to zero at once (core/step/scale_down)."""
+
+
 def gpu_size(spec: ServiceSpec, learned: int | None, node: NodeGpu | None) -> tuple[int, str] | None:
     """(one GPU's bytes, where that figure comes from), or None while nothing says."""
     if spec.memory.gpu_memory_bytes is not None:
@@ -105,7 +110,7 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
         else "one request of the model's full context"
     )
     if pinned is not None and one is not None and pinned < one:
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"spec.memory.kvCacheMemoryBytes ({pinned} bytes, {format_bytes(pinned)}) cannot hold "
             f"{request}, which needs {one} bytes ({format_bytes(one)}) per GPU: vLLM would refuse to "
             f"start. Raise it to at least {one}, lower spec.engine.maxModelLen, or remove it to let "
@@ -116,19 +121,19 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
     size, where = gpu
     gpu_text = f"one GPU's memory ({format_bytes(size)}, from {where})"
     if pinned is not None and pinned >= size:
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"spec.memory.kvCacheMemoryBytes ({format_bytes(pinned)}) is not below {gpu_text}: the "
             "KV cache shares each GPU with the weights, activations and NCCL buffers; lower it, or "
             "remove it to let rankguard plan the budget"
         )
     if floor is not None and floor >= size:
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"spec.remediation.minKVCacheBytes ({format_bytes(floor)}, the floor of the per-GPU KV "
             f"budget) is not below {gpu_text}, so no budget can satisfy it; lower it well below the "
             "GPU's memory (the weights, activations and NCCL buffers share each GPU), or remove it"
         )
     if one is not None and one >= size:
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"{request} needs {format_bytes(one)} of KV cache per GPU, not less than {gpu_text}; "
             "lower spec.engine.maxModelLen, spread the model over more GPUs "
             "(spec.tensorParallelSize, spec.pipelineParallelSize), or set spec.engine.kvCacheDtype: fp8"
@@ -142,7 +147,7 @@ def _check_margin(spec: ServiceSpec, size: int, gpu_text: str, floor: int | None
     room for the floor, would run every pass at the floor and call it Ready."""
     margin = spec.memory.safety_margin_bytes
     if margin >= size:
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"spec.memory.safetyMarginBytes ({format_bytes(margin)}, {margin} bytes) is not below "
             f"{gpu_text}: the planner would keep the whole GPU free; lower it (the default is "
             "512Mi, for transient peaks)"
@@ -152,7 +157,7 @@ def _check_margin(spec: ServiceSpec, size: int, gpu_text: str, floor: int | None
     least = max((b for b in (floor, one) if b is not None), default=None)
     if least is not None and margin + least >= size:
         said = "spec.remediation.minKVCacheBytes" if least == floor else "one request of maxModelLen"
-        raise SpecError(
+        raise BudgetDoesNotFit(
             f"spec.memory.safetyMarginBytes ({format_bytes(margin)}) and the smallest KV budget "
             f"rankguard runs ({format_bytes(least)}, {said}) do not fit together in {gpu_text}: "
             "every plan would end at the floor. Lower spec.memory.safetyMarginBytes (default 512Mi) "

@@ -39,6 +39,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.names import VLLM_CONTAINER
 
 IgnoredReason = Literal[
@@ -150,6 +151,30 @@ def named_by_statefulset(pod_name: str, set_name: str) -> bool:
         and ordinal.isdigit()
         and (ordinal == "0" or not ordinal.startswith("0"))
     )
+
+
+# What a pod ignored for its provenance most likely is when it is the service's own: a pod a
+# mutating admission webhook changed after the ReplicaSet made it (docs/security.md).
+_PROVENANCE_HINT = (
+    " If the pod is one its ReplicaSet or StatefulSet made, a mutating admission webhook changed "
+    "its vllm container's command, args or env (or its restartPolicy): exclude the serving "
+    "namespace from that webhook, or the service's pods are never trusted (docs/security.md)"
+)
+
+
+def ignored_message(ignored: Ignored) -> str:
+    """The PodIgnored Event's message: which pod, why, and, for a provenance reason, the one
+    way a pod of the service's own gets there."""
+    hint = _PROVENANCE_HINT if ignored.reason in ("wrong-name", "not-from-template") else ""
+    return (
+        f"pod {ignored.pod} carries this service's labels but was not made by its workload "
+        f"({ignored.reason}): it is never scraped nor acted upon.{hint}"
+    )
+
+
+def ignored_event(ignored: Ignored) -> PostEvent:
+    """The Warning Event on the LLMService for a pod it ignores (rate-limited by the edge)."""
+    return PostEvent("Warning", "PodIgnored", ignored_message(ignored), repeat=True)
 
 
 def controller_of(obj: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from rankguard_operator.core import policy
 from rankguard_operator.core.budget.bounds import budget_key, measured_plan, prior_plan
-from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
+from rankguard_operator.core.budget.fits import BudgetDoesNotFit, check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
@@ -104,7 +104,7 @@ def step(state: ServiceState, world: World, settings: Settings) -> Step:
         check_budget_fits(spec, model, gpu_size(spec, state.gpu_memory_bytes, node_gpu))
         prior = prior_plan(spec, planning_gpu_bytes(state.gpu_memory_bytes, node_gpu), model)
     except SpecError as e:
-        return invalid_spec(state, world, str(e))
+        return invalid_spec(state, world, str(e), cannot_run=isinstance(e, BudgetDoesNotFit))
     return _Pass(state, world, settings, spec, prior, model, node_gpu=node_gpu).run()
 
 
@@ -327,7 +327,7 @@ class _Pass:
                 # (kept in status.engine per budget key, so it does not move with live load)
                 self.prior = plan
         except SpecError as e:
-            return invalid_spec(state, w, str(e))
+            return invalid_spec(state, w, str(e), cannot_run=isinstance(e, BudgetDoesNotFit))
         decision = policy.decide(
             policy.PolicyInput(
                 spec=spec,
@@ -504,12 +504,17 @@ def invalid_spec(
     message: str,
     reason: str = "InvalidSpec",
     more: Sequence[tuple[Condition, str, str, str]] = (),
+    *,
+    cannot_run: bool = False,
 ) -> Step:
     """A spec rankguard cannot serve (or a refusal of `reason`, setting the conditions in `more`
     too): say why on the object, and touch nothing else but the scale of a workload none of
-    whose pods serves (core/step/scale_down: a Failed service holds no GPUs)."""
+    whose pods serves nor will (core/step/scale_down: a Failed service holds no GPUs);
+    `cannot_run`: the refusal says the deployed render cannot run either (budget.fits)."""
     when = iso(world.now)
-    scaled, said = scale_down.hold_nothing(world.deployment, world.statefulsets, world.uid)
+    scaled, said = scale_down.hold_nothing(
+        world.deployment, world.statefulsets, world.uid, world.pods, cannot_run=cannot_run
+    )
     message = f"{message.rstrip('.')}. {said}" if said else message
     conditions = list(state.raw.get("conditions") or [])
     for cond, status, why, text in (

@@ -1,9 +1,13 @@
 """A Failed service holds no GPUs (issue 30): when the spec cannot be served (core/step/reconcile's
-`invalid_spec`, e.g. a pinned budget or floor the GPU is found not to hold once its size is
-learned) and none of the service's pods serves, its Deployment (or its groups' StatefulSets) is
-scaled to zero, so crash-looping pods do not keep GPUs others could use. A service that still
-serves keeps its last good render: an invalid edit loses nothing. The Failed condition's message
-says which. Once the spec is fixed, the next pass renders again with spec.replicas (the
+`invalid_spec`) and none of the service's pods serves nor will, its Deployment (or its groups'
+StatefulSets) is scaled to zero, so crash-looping pods do not keep GPUs others could use. "Nor
+will": the refusal says the deployed render cannot run either (a pinned budget or floor the GPU
+is found not to hold once its size is learned: budget.fits' BudgetDoesNotFit), or a pod of it
+has already crashed (a restart, a termination, a Failed pod). A service that still serves, or
+whose pods are still starting under the last good render, keeps it: an invalid edit loses
+nothing. The Failed condition's message says which of the three.
+
+Once the spec is fixed, the next pass renders again with spec.replicas (the
 Deployment's replicas differ from the render: `same_template` is False and it is applied; a
 group scaled to zero and empty is started again by core/step/group_roll).
 
@@ -30,6 +34,7 @@ SCALED_TO_ZERO = (
 KEEPS_SERVING = (
     "Its ready pods keep serving the last good render until the spec is fixed; nothing was changed"
 )
+KEEPS_STARTING = "Its pods keep starting under the last good render (none has crashed); nothing was changed"
 # metadata the API server or the controllers keep: never applied back
 _SERVER_ANNOTATIONS = ("deployment.kubernetes.io/",)
 
@@ -61,11 +66,28 @@ def at_zero(live: Mapping[str, Any], kind: str) -> dict[str, Any]:
     return body
 
 
+def crashed(pod: Mapping[str, Any]) -> bool:
+    """Has any container of `pod` ended or restarted (or the pod failed)?"""
+    if get_path(pod, "status", "phase") == "Failed":
+        return True
+    return any(
+        int(c.get("restartCount") or 0) > 0 or "terminated" in (c.get("state") or {})
+        for c in get_path(pod, "status", "containerStatuses") or []
+        if isinstance(c, Mapping)
+    )
+
+
 def hold_nothing(
-    deployment: Mapping[str, Any] | None, statefulsets: Sequence[Mapping[str, Any]], uid: str
+    deployment: Mapping[str, Any] | None,
+    statefulsets: Sequence[Mapping[str, Any]],
+    uid: str,
+    pods: Sequence[Mapping[str, Any]] = (),
+    *,
+    cannot_run: bool = False,
 ) -> tuple[list[Effect], str]:
-    """The applies that scale a Failed service's workload to zero when no pod of it is ready,
-    and the sentence the Failed condition adds ("" when nothing of it is deployed)."""
+    """The applies that scale a Failed service's workload to zero when no pod of it is ready and
+    none will be (`cannot_run`, or a pod has crashed), and the sentence the Failed condition
+    adds ("" when nothing of it is deployed)."""
     owned: list[tuple[str, Mapping[str, Any]]] = [
         ("StatefulSet", s) for s in statefulsets if _controlled_by(s, uid)
     ]
@@ -76,6 +98,8 @@ def hold_nothing(
     ready = sum(int(get_path(o, "status", "readyReplicas") or 0) for _, o in owned)
     if ready > 0:
         return [], KEEPS_SERVING
+    if not cannot_run and not any(crashed(p) for p in pods):
+        return [], KEEPS_STARTING
     effects: list[Effect] = []
     for kind, obj in owned:
         if get_path(obj, "spec", "replicas") == 0:
