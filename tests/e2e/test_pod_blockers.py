@@ -120,7 +120,8 @@ def test_a_missing_hf_token_secret_is_said_within_a_minute_and_heals(
     assert "stuckSince" not in healed["status"]
 
 
-SLEEPER = ["python3", "-c", "import time; time.sleep(100000)"]
+# a sidecar process that runs until the kubelet stops it (it never answers a probe)
+SLEEPER = ["python3", "-c", "import signal; signal.pause()"]
 # (service, its spec.template's spec, the Degraded reason, what the message must quote)
 CASES: list[tuple[str, dict[str, Any], str, str]] = [
     (
