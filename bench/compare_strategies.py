@@ -10,12 +10,18 @@ simulated world until one run survives the scenario's whole load pattern:
       (`rankguard_operator.core.step.reconcile.step`), one call per operator pass, on what the
       edge would hand it: the LLMService's spec and status, the Deployment it applied (with a
       Deployment controller's status), the pod made from that Deployment's template (its
-      termination built from the engine's printed failure by the agent's own recognisers, in
-      the kubelet's status shape), and agent reports whose per-rank figures come from the world
-      (its probe cost after NCCL init and its free memory, replayed phase by phase). The step's
+      termination built from the engine's printed failure by the agent's own recognisers, with
+      the engine phase the failing rank was in, in the kubelet's status shape), and agent
+      reports whose per-rank figures come from the world (its probe cost after NCCL init and
+      its free memory, replayed phase by phase). The step's
       effects are carried out on those objects by the operator's own in-memory replay
       (`rankguard_operator.core.step.Objects`), and the next pass starts from the status as
       the API server would store it.
+
+A second table compares three ways to answer an OOM on the phase scenarios of issue 27 (each
+OOM in one phase of vLLM's start-up or serving, each fixed by its own lever): rankguard's
+reconcile step, rankguard's rule before issue 27 (every CUDA OOM cuts the KV budget) and a
+person's recipe (halve the utilisation, then --enforce-eager); see strategies_phases.py.
 
 Every run starts the engine from a `vllm serve` command line, resolved by the fake vLLM's own
 parser (`rankguard_sim.fake_vllm.args.engine_config_from_argv`); rankguard's runs take theirs
@@ -30,11 +36,12 @@ operator never sees it except through the figures an agent and a kubelet would r
 
     .venv/bin/python bench/compare_strategies.py [--scenario NAME ...] [--no-trace]
 
-This file is the entry point; the benchmark is three modules beside it, one per
+This file is the entry point; the benchmark is four modules beside it, one per
 responsibility: strategies_world.py (the scenarios compared, a run of the world, the spec
 rankguard is given, what the agent and the kubelet report), strategies_runner.py (the
 strategies run against that world: the two utilisation baselines and rankguard's loop over the
-operator's reconcile step) and strategies_table.py (the table, notes and trace printed).
+operator's reconcile step), strategies_table.py (the table, notes and trace printed) and
+strategies_phases.py (the per-phase comparison and its table).
 
 Deterministic and pure (no clock, no I/O but stdout); exits 0 unless something raises.
 """
@@ -47,9 +54,10 @@ import sys
 from collections.abc import Sequence
 
 from rankguard_sim.physics.scenario_file import builtin_names
+from strategies_phases import compare_phase, render_phases
 from strategies_runner import compare
 from strategies_table import render
-from strategies_world import GPU_SCENARIOS, SKIPPED
+from strategies_world import GPU_SCENARIOS, PHASE_SCENARIOS, SKIPPED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,12 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--scenario",
         action="append",
         choices=[n for n in builtin_names() if n not in SKIPPED],
-        help="a scenario to compare (repeatable); default: " + ", ".join(GPU_SCENARIOS),
+        help="a scenario to compare (repeatable); default: all of "
+        + ", ".join((*GPU_SCENARIOS, *PHASE_SCENARIOS)),
     )
-    parser.add_argument("--no-trace", action="store_true", help="print the table and notes only")
+    parser.add_argument("--no-trace", action="store_true", help="print the tables and notes only")
     opts = parser.parse_args(argv)
-    rows = [compare(n) for n in (opts.scenario or GPU_SCENARIOS)]
-    print(render(rows, traces=not opts.no_trace))
+    names = opts.scenario or [*GPU_SCENARIOS, *PHASE_SCENARIOS]
+    rows = [compare(n) for n in names if n not in PHASE_SCENARIOS]
+    phase_rows = [compare_phase(n) for n in names if n in PHASE_SCENARIOS]
+    out = []
+    if rows:
+        out.append(render(rows, traces=not opts.no_trace))
+    if phase_rows:
+        out.append("Per OOM phase (issue 27):\n\n" + render_phases(phase_rows, traces=not opts.no_trace))
+    print("\n\n".join(out))
     return 0
 
 

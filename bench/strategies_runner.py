@@ -81,6 +81,8 @@ class StrategyResult:
     final_flags: str
     trace: tuple[str, ...] = field(default_factory=tuple)
     final_argv: tuple[str, ...] = ()  # the `vllm` command line of the stable run (rankguard's)
+    argvs: tuple[tuple[str, ...], ...] = ()  # every run's command line, in order (rankguard's)
+    degraded: str | None = None  # rankguard stopped rolling after a crash: the Degraded reason
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,12 @@ class RankguardLoop:
     the Deployment holds and replaced when the step rolls another template (`rolled`).
     """
 
-    def __init__(self, scenario: Scenario, *, probe: bool = True) -> None:
+    def __init__(
+        self, scenario: Scenario, *, probe: bool = True, spec_doc: dict[str, Any] | None = None
+    ) -> None:
         self.scenario = scenario
-        self.spec_doc = spec_for(scenario, probe=probe)
+        # the LLMService's spec: `spec_for`'s unless the caller gives one (the phase bench does)
+        self.spec_doc = spec_for(scenario, probe=probe) if spec_doc is None else spec_doc
         self.spec = parse_spec(self.spec_doc)
         self.settings = Settings(agent_image=AGENT_IMAGE, stale_after=STALE_AFTER)
         self.now = T0
@@ -314,7 +319,12 @@ def describe_flags(flags: ServingFlags) -> str:
 
 
 def simulate_rankguard(
-    scenario: Scenario, truth: SafeCapacity, *, probe: bool = True, max_runs: int = MAX_RUNS
+    scenario: Scenario,
+    truth: SafeCapacity,
+    *,
+    probe: bool = True,
+    max_runs: int = MAX_RUNS,
+    spec_doc: dict[str, Any] | None = None,
 ) -> StrategyResult:
     """rankguard from `kubectl apply` until a run survives the load and the operator keeps it.
 
@@ -325,13 +335,16 @@ def simulate_rankguard(
     survives is kept under observation for SETTLE_SECONDS; any change the operator makes then
     (a low-headroom shrink, a reclaim) rolls a new run.
     """
-    loop = RankguardLoop(scenario, probe=probe)
+    loop = RankguardLoop(scenario, probe=probe, spec_doc=spec_doc)
     crashes = runs = 0
     load = scenario.load
+    argvs: list[tuple[str, ...]] = []
+    degraded: str | None = None
     for run_no in range(1, max_runs + 1):
         runs = run_no
         flags = loop.flags
         argv = loop.start_pod(run_no)
+        argvs.append(tuple(argv))
         run = run_world(scenario, argv)
         loop.now += STARTUP_SECONDS
         if run.ready:
@@ -358,6 +371,7 @@ def simulate_rankguard(
             if not loop.rolled:
                 if d.action != "hold":
                     loop.note(d)
+                degraded = d.reason if d.action == "degrade" else None
                 break  # degraded: the operator has nothing left to change
             continue
         # Survived a full load cycle. The agent's 60 s window covers a whole cycle, so every
@@ -389,6 +403,7 @@ def simulate_rankguard(
             final_flags=describe_flags(flags),
             trace=tuple(loop.trace),
             final_argv=tuple(argv),
+            argvs=tuple(argvs),
         )
     return StrategyResult(
         strategy="rankguard",
@@ -399,6 +414,8 @@ def simulate_rankguard(
         capacity=None,
         final_flags=describe_flags(loop.flags),
         trace=tuple(loop.trace),
+        argvs=tuple(argvs),
+        degraded=degraded,
     )
 
 

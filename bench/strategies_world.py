@@ -16,6 +16,7 @@ Deterministic and pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +34,12 @@ from rankguard_agent.wire.report import (
     parse_report,
 )
 from rankguard_agent.wire.termination import TerminationMessage
+from rankguard_agent.workers import WorkerRanks, parallel_sizes
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.render.pod import served_argv
 from rankguard_operator.core.units import iso
 from rankguard_sim.fake_vllm.args import engine_config_from_argv
-from rankguard_sim.fake_vllm.console import failure_lines
+from rankguard_sim.fake_vllm.console import Console, failure_lines, worker_name
 from rankguard_sim.physics.engine_config import EngineConfig
 from rankguard_sim.physics.engine_failures import EngineFailure
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger
@@ -48,6 +50,18 @@ from rankguard_sim.physics.scenario_data import Scenario
 # container's cgroup limit); its GPU never runs out at any of these utilisations, so "OOM
 # crashes until stable" and "KV kept" say nothing about it (the e2e test covers its fix).
 GPU_SCENARIOS = ("llama3-70b-tp4", "llama3-70b-tp8-nvls", "tp2-pp2", "llama3-8b-tp2-24gb")
+# The phase scenarios of issue 27 (each OOM in one phase of vLLM's start-up or serving, each
+# answered by its own lever): compared in a table of their own (strategies_phases.py), since the
+# utilisation strategies above do not tell the levers apart.
+PHASE_SCENARIOS = (
+    "oom-weights",
+    "oom-profile",
+    "oom-kv-allocation",
+    "oom-cuda-graphs",
+    "oom-cuda-graphs-eager",
+    "oom-sampler-warmup",
+    "oom-serving",
+)
 SKIPPED = {
     "llama3-70b-tp8-pp2-2nodes": (
         "a multi-node group (vLLM --nnodes over two pods); the strategy bench runs one pod per replica"
@@ -76,10 +90,12 @@ class WorldRun:
     idle_free: tuple[int, ...]  # per rank, free memory once started (before the load)
     startup_min_free: tuple[int, ...]  # per rank, the lowest free memory during start-up
     cycle_min_free: tuple[int, ...] | None  # the lowest over start-up and a full load cycle
-    failure_lines: tuple[str, ...] = ()  # what the engine printed when it failed
+    # what the fake vLLM prints when the engine fails (`printed_failure`), as the agent reads it
+    failure_lines: tuple[str, ...] = ()
     # per rank, the free memory vLLM's worker measured at start-up, which it prints (the memory
     # report, or with a byte budget the "Initial free memory" line) and the agent reports
     startup_free: tuple[int, ...] = ()
+    argv: tuple[str, ...] = ()  # the `vllm` command line of the run (what the launcher runs)
 
     @property
     def crashed(self) -> bool:
@@ -96,6 +112,36 @@ class _WatchedLedger(PureLedger):
     def hold(self, rank: int, tag: str, nbytes: int) -> None:
         super().hold(rank, tag, nbytes)
         self.low[rank] = min(self.low[rank], self.free(rank))
+
+
+class _ReplayConsole(Console):
+    """The fake vLLM's console with a fixed time stamp, so that the bench stays deterministic."""
+
+    @staticmethod
+    def stamp() -> str:
+        return "01-01 00:00:00"
+
+
+def printed_failure(scenario: Scenario, failure: EngineFailure, *, at_startup: bool) -> tuple[str, ...]:
+    """What the fake vLLM prints when its engine fails (fake_vllm/main.py `report_failure`, one
+    node): the failing worker's traceback under that worker's log prefix, then the engine core's
+    end. The phase markers the fake prints before (wire/phases.py MARKERS) are not replayed: the
+    traceback's frames name the phase, and the agent lets them win over any marker."""
+    out = io.StringIO()
+    console = _ReplayConsole(pid=1, out=out, err=out)
+    who = "EngineCore_DP0" if failure.rank is None else worker_name(scenario, failure.rank)
+    where = "core.py:718" if scenario.world_size == 1 else "multiproc_executor.py:671"
+    lines = failure_lines(failure)
+    first = "WorkerProc failed to start." if at_startup else "WorkerProc hit an exception."
+    console.error_lines(who, where, [first, *lines])
+    if at_startup:
+        console.engine_failed_to_start([lines[-1]])
+    else:
+        console.engine_died(
+            f"RuntimeError: Worker failed with error '{failure.message()}', "
+            "please check the stack trace above for the root cause"
+        )
+    return tuple(out.getvalue().splitlines())
 
 
 def engine_config(scenario: Scenario, argv: Sequence[str]) -> EngineConfig:
@@ -150,8 +196,9 @@ def run_world(scenario: Scenario, argv: Sequence[str]) -> WorldRun:
         idle_free=idle,
         startup_min_free=startup_low,
         cycle_min_free=cycle_low,
-        failure_lines=tuple(failure_lines(failure)) if failure is not None else (),
+        failure_lines=printed_failure(scenario, failure, at_startup=not ready) if failure is not None else (),
         startup_free=tuple(engine.snapshot_free) if ready else (),
+        argv=tuple(argv),
     )
 
 
@@ -237,11 +284,21 @@ def agent_report(
 
 def termination_message(run: WorldRun, n_ranks: int) -> TerminationMessage:
     """What the agent's launcher writes when the engine dies: it scans the engine's output with
-    its recognisers and maps the exit to its JSON termination message."""
-    seen = Observer()
+    its recognisers, the worker prefixes read for the ranks of the run's command line
+    (rankguard_agent.launcher.Launcher.run), and maps the exit to its JSON termination message,
+    with the phase the failing rank was in (wire/phases.py)."""
+    seen = Observer(None, WorkerRanks(parallel_sizes(run.argv), n_ranks))
     for line in run.failure_lines:
         seen.on_line(line)
-    return agent_verdict.termination_message(1, seen.cause, seen.last_kv, n_ranks)
+    return agent_verdict.termination_message(
+        1,
+        seen.cause,
+        seen.last_kv,
+        n_ranks,
+        last_error=seen.last_error,
+        cause_rank=seen.cause_rank,
+        phase=seen.cause_phase,
+    )
 
 
 def _ready_condition(ready: bool) -> dict[str, str]:

@@ -44,6 +44,7 @@ from rankguard_agent.server import AgentState
 from rankguard_agent.streams import LineScanner, Output, pump
 from rankguard_agent.verdict import termination_message, with_place
 from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace, read_group
+from rankguard_agent.wire.phases import PhaseTracker
 from rankguard_agent.wire.recognisers import (
     KV_TOO_SMALL,
     MODEL_LOADING,
@@ -143,8 +144,9 @@ def _engine_memory(seen: WorkerMemoryReport | CudaGraphPool | InitialFree) -> En
 
 
 class Observer:
-    """Keeps what the engine's lines said: the first memory cause, the last KV line, and each
-    rank's own memory report (the worker's log prefix says which rank, through `ranks`)."""
+    """Keeps what the engine's lines said: the first memory cause and the phase its rank was in,
+    the last KV line, and each rank's own memory report (the worker's log prefix says which rank,
+    through `ranks`)."""
 
     def __init__(self, state: AgentState | None = None, ranks: WorkerRanks | None = None) -> None:
         self.state = state
@@ -153,6 +155,10 @@ class Observer:
         # the global rank the cause's own line named (multi-node; one node reads the device index)
         self.cause_rank: int | None = None
         self.last_kv: KVObservation | None = None
+        # every rank's engine phase (wire/phases.py): the engine core's lines speak for all ranks
+        self.phases = PhaseTracker(self.ranks.rank_of)
+        # the phase the cause's rank was in when it ran out (None: unknown, or not a CUDA OOM)
+        self.cause_phase: str | None = None
         self._warned: set[str] = set()
         # The last few lines that look like errors: when no memory cause is recognised, they
         # are what an engine error's termination message shows a person. More than one,
@@ -165,6 +171,7 @@ class Observer:
         return " | ".join(self._errors) if self._errors else None
 
     def on_line(self, line: str) -> None:
+        self.phases.on_line(line)
         found = recognise_all(line)
         if not found:
             if _ERROR_WORDS.search(line):
@@ -209,15 +216,25 @@ class Observer:
         ):
             self.cause_rank = self._cause_rank(found, line)
             self.cause = found
+            self.cause_phase = self._phase_of(found, line)
             if isinstance(found, CudaOom):
                 log.warning(
-                    "engine ran out of GPU memory on GPU %s (rank %s): %.200s",
+                    "engine ran out of GPU memory on GPU %s (rank %s, phase %s): %.200s",
                     found.gpu_index,
                     "unknown" if self.cause_rank is None else self.cause_rank,
+                    self.cause_phase or "unknown",
                     found.text,
                 )
             else:
                 log.warning("engine's KV cache is too small: %.200s", found.text)
+
+    def _phase_of(self, found: CudaOom | KVTooSmall, line: str) -> str | None:
+        """The phase of the rank whose line said it ran out: the line's own rank (its worker prefix,
+        whose traceback precedes it), else the rank the cause names."""
+        if not isinstance(found, CudaOom) or found.startup_check:
+            return None  # vLLM's start-up check runs before the first phase; the utilisation answers it
+        rank = self.ranks.rank_of(line)
+        return self.phases.phase(rank if rank is not None else self.cause_rank)
 
     def _cause_rank(self, found: CudaOom | KVTooSmall, line: str) -> int | None:
         if not isinstance(found, CudaOom):
@@ -391,6 +408,7 @@ class Launcher:
             last_error=self.observer.last_error,
             place=self.place,
             cause_rank=self.observer.cause_rank,
+            phase=self.observer.cause_phase,
         )
         log.info("engine exited with %d: %s", message.exit_code, message.reason)
         write_termination_log(self.cfg.termination_log, message)

@@ -56,6 +56,24 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     "worker_init_failed": ("vllm", "WorkerProc initialization failed due to an exception in a background"),
     "broadcast_wait": ("vllm", "No available shared memory broadcast block found in"),
     "rpc_timed_out": ("vllm", "RPC call to {0} timed out."),
+    # The engine's phase markers (agent/rankguard_agent/wire/phases.py): the lines vLLM prints as a
+    # start-up phase begins or ends, in the order it runs them. Weights: the model runner starts
+    # loading (V1 runner, V2 runner); `model_loading` ends it. The memory profile's CUDA-graph
+    # capture starts and ends; `available_kv_memory` / `kv_bytes_reserved` end the profile (the
+    # KV cache is allocated next) and the engine core's `kv_cache_size` says the same for every
+    # rank. The capture proper starts (its progress bar, or the profiler line); it ends with
+    # "Graph capturing finished" (the sampler warm-up follows). The engine core's "init engine"
+    # line and the API server's start mean serving.
+    "model_load_start": ("vllm", "Starting to load model"),
+    "model_load_start_v2": ("vllm", "Loading model from scratch"),
+    "cuda_graph_profiling": ("vllm", "Profiling CUDA graph memory: "),
+    "cuda_graph_estimated": ("vllm", "Estimated CUDA graph memory: "),
+    "cuda_graph_capture_bar": ("vllm", "Capturing CUDA graphs ("),
+    "cuda_graph_capture_untraced": ("vllm", "Torch profiler disabled for CUDA graph capture"),
+    "cuda_graph_capture_traced": ("vllm", "Torch profiler enabled for CUDA graph capture"),
+    "cuda_graph_captured": ("vllm", "Graph capturing finished in "),
+    "init_engine_took": ("vllm", "init engine (profile, create kv cache, warmup model) took"),
+    "api_server_start": ("vllm", "Starting vLLM server on "),
 }
 # A file is read when its source holds a key's fragment, or this anchor where the fragment spans
 # adjacent literals (or an f-string's expression) in the source: the fragment itself is matched
@@ -78,6 +96,11 @@ LIB_MESSAGES: dict[str, tuple[str, str]] = {
     "torch_oom_private_pools": ("libc10_cuda.so", " allocated in private pools"),
     "torch_oom_outside_allocator": ("libtorch_cuda.so", "CUDA ran out of memory outside PyTorch's allocator"),
     "cublas_alloc_failed": ("libtorch_cuda.so", "CUBLAS_STATUS_ALLOC_FAILED"),
+    # the cudaMallocAsync backend's refusal ("Allocation on device 0 would exceed allowed memory.
+    # (out of memory)"), and the native allocator's with expandable segments or
+    # throw_on_cudamalloc_oom ("... failed with OOM on device N")
+    "torch_oom_async": ("libc10_cuda.so", " would exceed allowed memory. (out of memory)"),
+    "torch_oom_on_device": ("libc10_cuda.so", " failed with OOM on device "),
 }
 # torch.distributed's fmt::format templates (C++), recorded whole: `{}` is str.format's too.
 LIB_FORMATS: dict[str, tuple[str, str]] = {

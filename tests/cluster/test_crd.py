@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rankguard_operator.core.observe.memory_trend import MemoryTrend
 from rankguard_sim.kube.cluster import ControlPlane
 
 pytestmark = pytest.mark.cluster
@@ -574,3 +575,74 @@ def test_kubectl_explain_reads_well(cluster: ControlPlane, crd: str) -> None:
     assert "Leave gpuMemoryUtilization and" in out
     out = cluster.kubectl("explain", "llmservice.status.ranks").stdout
     assert "headroomBytes" in out and "least headroom" in out
+
+
+def test_the_oom_levers_survive_the_api_server(cluster: ControlPlane, crd: str, namespace: str) -> None:
+    """Every lever rankguard keeps in status (servingFlags, lastKnownGood, a remediation's flags,
+    its phase and lever) is in the schema: the API server prunes what is not, and a pruned lever
+    would be rolled back on the next pass. spec.remediation.levers is defaulted and bounded."""
+    obj = minimal("levers")
+    assert apply(cluster, namespace, obj).returncode == 0
+    levers = {
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 2048,
+        "maxCudaGraphCaptureSize": 128,
+        "enforceEager": True,
+    }
+    flags = {"kvCacheMemoryBytes": 58648166400, **levers}
+    item = {
+        "time": "2026-01-01T00:00:00Z",
+        "trigger": "CUDAOutOfMemory",
+        "action": "LowerMaxNumSeqs",
+        "rank": 0,
+        "phase": "sampler-warmup",
+        "lever": "max-num-seqs",
+        "from": 128,
+        "to": 64,
+        "fromFlags": {**flags, "maxNumSeqs": 128},
+        "toFlags": flags,
+    }
+    status = {
+        "servingFlags": flags,
+        "lastKnownGood": {"flags": ["--max-num-seqs", "64"], **flags},
+        "remediations": [item],
+        "pendingRemediation": {
+            "id": "r-1",
+            "kind": "EnforceEager",
+            "fromFlags": flags,
+            "toFlags": flags,
+            "record": item,
+        },
+    }
+    r = patch(cluster, namespace, "levers", {"status": status}, "--subresource=status")
+    assert r.returncode == 0, r.stderr
+    stored = get(cluster, namespace, "levers")
+    assert {k: stored["status"][k] for k in status} == status
+    assert stored["spec"]["remediation"]["levers"] == {
+        "minNumSeqs": 8,
+        "minNumBatchedTokens": 1024,
+        "minCudaGraphCaptureSize": 8,
+        "allowEnforceEager": True,
+    }
+    bad = minimal("bad-levers")
+    with_spec(remediation={"levers": {"minNumSeqs": 0}})(bad)
+    r = apply(cluster, namespace, bad)
+    assert r.returncode != 0 and "spec.remediation.levers.minNumSeqs" in r.stderr
+
+
+def test_the_memory_trend_survives_the_api_server(cluster: ControlPlane, crd: str, namespace: str) -> None:
+    """status.memoryTrend, as the operator writes it for a headroom that falls (slope and hours
+    included), is stored whole and read back to the same series: a pruned field would restart the
+    series on every pass and the MemoryCreep condition would never judge it."""
+    GiB = 2**30
+    # three hours of 5-minute samples falling 0.5 GiB an hour from 6 GiB
+    samples = tuple((1_780_000_000.0 + 300 * i, 6 * GiB - i * GiB // 24) for i in range(37))
+    trend = MemoryTrend(key="tmpl-abc/pod-1,pod-2", samples=samples, rank=3, gpu_bytes=80 * GiB)
+    doc = trend.to_status(256 * 2**20)
+    assert doc["bytesPerHour"] < 0 and doc["hoursToLine"] > 0  # the figures are there to store
+    assert apply(cluster, namespace, minimal("trend")).returncode == 0
+    r = patch(cluster, namespace, "trend", {"status": {"memoryTrend": doc}}, "--subresource=status")
+    assert r.returncode == 0, r.stderr
+    stored = get(cluster, namespace, "trend")["status"]["memoryTrend"]
+    assert stored == doc
+    assert MemoryTrend.from_status(stored) == trend

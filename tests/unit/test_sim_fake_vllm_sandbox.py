@@ -150,7 +150,8 @@ def test_weights_download_once_per_cache_in_time_and_a_wildcard_binds_the_pod_ip
     assert all(secs >= expected * 0.9 for _, secs in downloads), (expected, downloads)
     # ... and it was spent before the engine served: every download line precedes the server's.
     lines = first.splitlines()
-    serving = [i for i, ln in enumerate(lines) if "Starting vLLM API server 0 on http://0.0.0.0:" in ln]
+    started = message("api_server_start", "http://0.0.0.0:", file_suffix="api_server/entry.py")
+    serving = [i for i, ln in enumerate(lines) if started in ln]
     assert serving, first[-3000:]  # vLLM says what it was asked
     assert max(i for i, ln in enumerate(lines) if weight_downloads(ln)) < serving[0]
     repo = cache / "hub" / "models--acme-corp--support-70b"

@@ -78,9 +78,14 @@ _SIZE = rf"({_NUM})\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
 GIB = 1 << 30
 
 _OOM_MARK = re.compile(
-    r"CUDA out of memory|CUDA error: out of memory|CUDA ran out of memory|CUBLAS_STATUS_ALLOC_FAILED",
+    r"CUDA out of memory|CUDA error: out of memory|CUDA ran out of memory|CUBLAS_STATUS_ALLOC_FAILED"
+    # the cudaMallocAsync backend's refusal, and the native allocator's with expandable segments or
+    # throw_on_cudamalloc_oom (torch/lib/libc10_cuda.so, recorded in the snapshot)
+    r"|would exceed allowed memory\. \(out of memory\)|failed with OOM on device",
     re.IGNORECASE,
 )
+# The device those two name: "Allocation on device 0 would ...", "... failed with OOM on device 0".
+_ON_DEVICE = re.compile(r"(?:Allocation on device|failed with OOM on device) (\d+)")
 # cuBLAS's own allocation failure (its handle or workspace), raised by torch as a CUDA error; it
 # names no size and no GPU.
 _CUBLAS_ALLOC = "CUBLAS_STATUS_ALLOC_FAILED"
@@ -275,6 +280,7 @@ Recognised = (
 def recognise_oom(line: str) -> CudaOom | None:
     if (
         "out of memory" not in line
+        and "OOM on device" not in line
         and "Free memory on device" not in line
         and "Externally held weights" not in line
         and _CUBLAS_ALLOC not in line
@@ -308,6 +314,8 @@ def recognise_oom(line: str) -> CudaOom | None:
         old = _OLD_CAPACITY.search(line)
         if old is not None:
             gpu, total, free = int(old.group(1)), _size(old, 2), _size(old, 6)
+        elif (dev := _ON_DEVICE.search(line)) is not None:
+            gpu = int(dev.group(1))
     requested = _size(_TRIED.search(line))
     if requested is None:
         requested = _size(_REQUESTED_SIZE.search(line))

@@ -29,6 +29,24 @@ SIGNALED = "Signaled"  # killed by a signal (SIGTERM on a normal rollout, SIGKIL
 COMPLETED = "Completed"
 REASONS = (CUDA_OOM, KV_CACHE_TOO_SMALL, ENGINE_ERROR, SIGNALED, COMPLETED)
 
+# The phase of vLLM 0.33's engine a rank was in when it ran out of memory, in the order the engine
+# runs them (engine core: load the weights, profile run, KV allocation, CUDA-graph capture, sampler
+# warm-up, then serving). Each is answered by its own lever (docs/remediation.md); None: unknown.
+PHASE_WEIGHTS = "weights"  # loading the model's weights
+PHASE_PROFILE = "profile"  # the profile run: a dummy forward at max_num_batched_tokens
+PHASE_KV_ALLOCATION = "kv-allocation"  # the KV cache's tensors allocated
+PHASE_CUDA_GRAPHS = "cuda-graph-capture"  # CUDA graphs captured, one per batch size
+PHASE_SAMPLER_WARMUP = "sampler-warmup"  # the sampler's dummy run at max_num_seqs
+PHASE_SERVING = "serving"  # after start-up: real requests
+PHASES = (
+    PHASE_WEIGHTS,
+    PHASE_PROFILE,
+    PHASE_KV_ALLOCATION,
+    PHASE_CUDA_GRAPHS,
+    PHASE_SAMPLER_WARMUP,
+    PHASE_SERVING,
+)
+
 
 class TerminationError(ValueError):
     """The text is not a rankguard termination message (it may be a plain log tail)."""
@@ -52,6 +70,8 @@ class TerminationMessage:
     # with startup_check: the weights another process holds on the device exceeded total x
     # utilisation ("Externally held weights on device ..."); the utilisation must rise above them
     external_weight_bytes: int | None = None
+    # the engine phase the rank was in when it ran out of memory (PHASES); None: unknown
+    phase: str | None = None
     # A pod of a vLLM multi-node group (None on one node): where the writer sits, and where `rank` sits
     node_rank: int | None = None  # the writing pod's --node-rank
     nnodes: int | None = None  # pods in the group
@@ -121,6 +141,8 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
     if nnodes is not None and node_rank is not None and not node_rank < nnodes:
         raise TerminationError(f"node_rank {node_rank} is not one of the group's 0..{nnodes - 1}")
     rank, local_rank = _opt_int(doc, "rank"), _opt_int(doc, "local_rank")
+    # a phase this reader does not know (a newer agent's) reads as unknown, not as an error
+    phase = _opt_str(doc, "phase")
     if local_rank is not None and (rank is None or rank < local_rank):
         raise TerminationError("local_rank: needs a rank at least as large")
     return TerminationMessage(
@@ -136,6 +158,7 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
         detail=_opt_str(doc, "detail"),
         startup_check=_opt_bool(doc, "startup_check"),
         external_weight_bytes=_opt_int(doc, "external_weight_bytes"),
+        phase=phase if phase in PHASES else None,
         node_rank=node_rank,
         nnodes=nnodes,
         local_rank=local_rank,

@@ -23,6 +23,9 @@ class Condition(str, Enum):
     MODEL_RESOLVED = "ModelResolved"  # where the shape came from, or why measure-first (core/model/resolve)
     MODEL_CACHE_READY = "ModelCacheReady"  # spec.modelCache's claim is bound (core/render/claim)
     AGENT_READY = "AgentReady"  # every ready serving pod's agent reports (core/observe/agent_ready)
+    # the tightest rank's headroom falling for hours while serving (core/observe/memory_trend); said,
+    # never acted on: no rule of the policy reads it, and it does not make the service Degraded
+    MEMORY_CREEP = "MemoryCreep"
 
 
 class Phase(str, Enum):

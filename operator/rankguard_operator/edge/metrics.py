@@ -178,6 +178,20 @@ class ServiceGauges(Collector):
             "1 for the LLMService's current phase, 0 for the others",
             labels=[*labels, "phase"],
         )
+        trend = GaugeMetricFamily(
+            "rankguard_llmservice_headroom_trend_bytes_per_hour",
+            "The slope of the bottleneck rank's headroom while serving: least squares over up to "
+            "3 h of 5-minute samples, negative while it falls; absent until an hour of samples "
+            "since the pods started (a roll or a vLLM restart starts it over)",
+            labels=labels,
+        )
+        exhaustion = GaugeMetricFamily(
+            "rankguard_llmservice_headroom_exhaustion_hours",
+            "Hours until the bottleneck rank's headroom reaches spec.memory.minHeadroomBytes at "
+            "rankguard_llmservice_headroom_trend_bytes_per_hour (0 once there); absent while it "
+            "does not fall. The MemoryCreep condition judges it; nothing is restarted for it",
+            labels=labels,
+        )
         condition = GaugeMetricFamily(
             "rankguard_llmservice_condition",
             "Always 1, one series per condition type: its status and reason as labels",
@@ -192,11 +206,15 @@ class ServiceGauges(Collector):
                 least.add_metric([ns, name], f.min_headroom_bytes)
             if f.headroom_target_bytes is not None:
                 target.add_metric([ns, name], f.headroom_target_bytes)
+            if f.headroom_trend_bytes_per_hour is not None:
+                trend.add_metric([ns, name], f.headroom_trend_bytes_per_hour)
+            if f.headroom_exhaustion_hours is not None:
+                exhaustion.add_metric([ns, name], f.headroom_exhaustion_hours)
             for p in PHASES:
                 phase.add_metric([ns, name, p], 1 if p == f.phase else 0)
             for type_, status, reason in f.conditions:
                 condition.add_metric([ns, name, type_, status, reason], 1)
-        yield from (budget, rank, least, target, phase, condition)
+        yield from (budget, rank, least, target, trend, exhaustion, phase, condition)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families are built at scrape time

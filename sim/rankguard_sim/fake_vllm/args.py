@@ -292,6 +292,7 @@ def config_from_args(
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=bool(args.enforce_eager),
         disable_custom_all_reduce=bool(args.disable_custom_all_reduce),
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         allow_long_max_model_len=env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True"),
     )
 

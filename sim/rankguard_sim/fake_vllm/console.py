@@ -22,6 +22,7 @@ from rankguard_sim.physics.engine_failures import (
 )
 from rankguard_sim.physics.engine_memory import TAG_SERVING_COMM
 from rankguard_sim.physics.scenario_data import Scenario
+from rankguard_sim.vllm_snapshot import snapshot
 
 ENGINE_INIT_FAILED = (
     "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
@@ -31,6 +32,8 @@ ENGINE_DEAD = (
     "See stack trace (above) for the root cause."
 )
 VLLM_PKG = "/usr/local/lib/python3.12/dist-packages/vllm"
+# vLLM 0.33's V1 model runner, whose lines the fake prints (the snapshot also has the V2 runner's)
+RUNNER = "gpu_model_runner.py"
 
 # Where each phase's allocation happens in vLLM, for the traceback (file, line, function, code).
 Frame = tuple[str, int, str, str]
@@ -195,6 +198,14 @@ class Console:
         self.error_lines("APIServer", "async_llm.py:480", ["AsyncLLM output_handler failed.", ENGINE_DEAD])
         self.plain("INFO:     Shutting down")
         self.plain(f"INFO:     Finished server process [{self.pid}]")
+
+
+def init_engine_line(seconds: float) -> tuple[str, str]:
+    """([file:line], text) of the engine core's "init engine ... took" line, the end of start-up.
+    vLLM 0.33 has three (with the compilation's and the encoder's times when they are non-zero);
+    the fake compiles nothing, so it is the one with the fewest figures."""
+    entry = min(snapshot().messages("init_engine_took"), key=lambda e: str(e["template"]).count("%"))
+    return f"{str(entry['file']).rsplit('/', 1)[-1]}:{entry['line']}", str(entry["template"]) % (seconds,)
 
 
 def worker_name(scenario: Scenario, rank: int) -> str:

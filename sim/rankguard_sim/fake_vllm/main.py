@@ -67,7 +67,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rankguard_sim.fake_vllm.args import VLLM_VERSION, config_from_args, non_default_args, parse_args
-from rankguard_sim.fake_vllm.console import Console, failure_lines, traceback_lines, worker_name
+from rankguard_sim.fake_vllm.console import (
+    RUNNER,
+    Console,
+    failure_lines,
+    init_engine_line,
+    traceback_lines,
+    worker_name,
+)
 from rankguard_sim.fake_vllm.hf_download import (
     CachedRepo,
     CheckpointFile,
@@ -101,6 +108,9 @@ FAIL_STARTUP_ENV = "RANKGUARD_SIM_FAIL_STARTUP"
 HOST_MEMORY_FILE_ENV = "RANKGUARD_SIM_HOST_MEMORY_FILE"
 
 TORCH_DTYPE = {"auto": "torch.bfloat16", "bfloat16": "torch.bfloat16", "half": "torch.float16"}
+
+# vLLM 0.33's API server entry point (the snapshot also has the render server's)
+API_ENTRY = "api_server/entry.py"
 
 DEFAULT_PEAK_HOLD_S = 0.35  # >= 0.3 s: three samples of a 10 Hz sampler land on every peak
 STEP_GAP_S = 0.05
@@ -216,8 +226,12 @@ class FakeVllm:
         self.engine.init_devices()
         await self.pause(PHASE_SECONDS["init-device"])
         requested = self.engine.check_free_memory()
-        for _, who in self.workers(once=True):
-            c.info(who, "gpu_model_runner.py:4979", f"Starting to load model {self.args.model_tag}...")
+        for _, who in self.workers(once=True):  # the weights' phase begins (wire/phases.py)
+            c.info(
+                who,
+                where("model_load_start", RUNNER),
+                message("model_load_start", self.args.model_tag, file_suffix=RUNNER),
+            )
         await self.download_weights()
         if s.host_memory is not None:
             self.host.report(s.host_memory.after_load_bytes)  # weights are staged in host memory
@@ -225,13 +239,12 @@ class FakeVllm:
         self.engine.load_weights()
         await self.pause(PHASE_SECONDS["load-model"])
         took = time.monotonic() - load_started
-        runner = "gpu_model_runner.py"  # vLLM's v1 model runner (the snapshot also has gpu/model_runner.py)
         for rank, who in self.workers(once=True):
             weights = format_gib(self.engine.all_ranks[rank].weights)
             c.info(
                 who,
-                where("model_loading", runner),
-                message("model_loading", weights, took, file_suffix=runner),
+                where("model_loading", RUNNER),
+                message("model_loading", weights, took, file_suffix=RUNNER),
             )
         self.engine.profile()
         await self.pause(PHASE_SECONDS["profile-run"])
@@ -265,6 +278,12 @@ class FakeVllm:
         self.engine.allocate_kv()
         await self.pause(PHASE_SECONDS["initialize-kv-cache"])
         if not cfg.enforce_eager:
+            for rank, who in self.workers(once=True):  # capture_model's first line
+                c.info(
+                    who,
+                    where("cuda_graph_capture_untraced"),
+                    message("cuda_graph_capture_untraced", self.engine.device(rank)),
+                )
             self.engine.capture_cuda_graphs()
             await self.pause(PHASE_SECONDS["capture-cuda-graphs"])
             capture_s = PHASE_SECONDS["capture-cuda-graphs"] / self.settings.time_scale
@@ -272,8 +291,8 @@ class FakeVllm:
                 graphs = self.engine.all_ranks[rank].cuda_graph / (1 << 30)
                 c.info(
                     who,
-                    "gpu_model_runner.py:6517",
-                    f"Graph capturing finished in {capture_s:.0f} secs, took {graphs:.2f} GiB",
+                    where("cuda_graph_captured", RUNNER),
+                    message("cuda_graph_captured", capture_s, graphs, file_suffix=RUNNER),
                 )
         self.print_memory_reports()
         self.engine.warm_up_sampler()
@@ -281,12 +300,7 @@ class FakeVllm:
         if self.group is not None:
             await self.group.ready(self)
         if self.core:
-            took = time.monotonic() - started
-            c.info(
-                "EngineCore_DP0",
-                "core.py:210",
-                f"init engine (profile, create kv cache, warmup model) took {took:.2f} seconds",
-            )
+            c.info("EngineCore_DP0", *init_engine_line(time.monotonic() - started))
         self.metrics.set_cache_config(cfg, plan)
         return plan
 
@@ -439,7 +453,9 @@ class FakeVllm:
         host = self.args.host or "0.0.0.0"
         await web.TCPSite(runner, bind_address(self.args.host, self.env), self.args.port).start()
         self.console.info(
-            "APIServer", "api_server.py:1885", f"Starting vLLM API server 0 on http://{host}:{self.args.port}"
+            "APIServer",
+            where("api_server_start", API_ENTRY),
+            message("api_server_start", f"http://{host}:{self.args.port}", file_suffix=API_ENTRY),
         )
         self.console.plain("INFO:     Application startup complete.")
         return runner

@@ -29,6 +29,47 @@ class EngineConfigError(ValueError):
     """The flags cannot describe an engine for this scenario (vLLM would refuse to start)."""
 
 
+# vLLM 0.33's default ceiling of the CUDA graph capture sizes off data-center Blackwell
+# (vllm/config/vllm.py:2464-2470: 1024 on capability family 100, else 512).
+DEFAULT_MAX_GRAPH_SIZE = 512
+
+
+def cudagraph_capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, max_cudagraph_capture_size: int | None
+) -> tuple[int, ...]:
+    """The batch sizes vLLM 0.33 captures CUDA graphs for, without speculative decoding.
+
+    vllm/config/vllm.py `_set_cudagraph_sizes` (lines 2447-2631): the ceiling is the flag, else
+    min(max_num_seqs × 2, 512) (2460-2470); it is capped at max_num_batched_tokens (2551-2552);
+    the list is [1, 2, 4] + range(8, min(ceiling + 1, 256), 8) + range(256, ceiling + 1, 16)
+    (2578-2591), plus max_num_batched_tokens when within the ceiling (2592-2597), plus
+    max_num_seqs when the ceiling was the default and covers it (uniform_decode_sizes,
+    2549-2550); the effective maximum is the list's last item (2609-2631). The same rule is
+    CompilationConfig.max_cudagraph_capture_size's docstring (vllm/config/compilation.py:695-711).
+    """
+    ceiling = max_cudagraph_capture_size
+    decode: list[int] = []
+    if ceiling is None:
+        ceiling = min(max_num_seqs * 2, DEFAULT_MAX_GRAPH_SIZE)
+        if max_num_seqs <= ceiling:
+            decode = [max_num_seqs]
+    ceiling = min(max_num_batched_tokens, ceiling)
+    if ceiling < 1:
+        # vLLM's assertion (vllm/config/vllm.py:2554-2557)
+        raise EngineConfigError(
+            "Maximum cudagraph size should be greater than or equal to 1 when using cuda graph."
+        )
+    sizes = [i for i in (1, 2, 4) if i <= ceiling]
+    if ceiling >= 8:
+        sizes += list(range(8, min(ceiling + 1, 256), 8))
+    if ceiling >= 256:
+        sizes += list(range(256, ceiling + 1, 16))
+    if max_num_batched_tokens <= ceiling:
+        sizes.append(max_num_batched_tokens)
+    sizes += [s for s in decode if s <= max_num_batched_tokens]
+    return tuple(sorted(set(sizes)))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     tensor_parallel_size: int
@@ -45,6 +86,9 @@ class EngineConfig:
     disable_custom_all_reduce: bool
     max_model_len_auto: bool = False  # --max-model-len auto / -1: fit to the KV cache memory
     nnodes: int = 1  # --nnodes: the nodes (pods) the world spans
+    # the largest CUDA graph vLLM captures (its effective --max-cudagraph-capture-size after
+    # `cudagraph_capture_sizes`); 0 under --enforce-eager, where nothing is captured
+    max_cudagraph_capture_size: int = 0
 
     @property
     def dtype_bytes_override(self) -> int | None:
@@ -68,6 +112,7 @@ def engine_config(
     disable_custom_all_reduce: bool = False,
     allow_long_max_model_len: bool = False,
     nnodes: int | None = None,
+    max_cudagraph_capture_size: int | None = None,
 ) -> EngineConfig:
     """Fill vLLM's defaults for this scenario's GPU and check what vLLM checks at config time."""
     tp = scenario.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
@@ -124,6 +169,7 @@ def engine_config(
             f"kv_cache_dtype {kv_cache_dtype!r} is valid for vLLM, but the simulated world has no "
             f"measurements for it (simulated: auto, {', '.join(KV_CACHE_DTYPE_BYTES)})"
         )
+    capture = 0 if enforce_eager else cudagraph_capture_sizes(seqs, tokens, max_cudagraph_capture_size)[-1]
     return EngineConfig(
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -139,4 +185,5 @@ def engine_config(
         disable_custom_all_reduce=disable_custom_all_reduce,
         max_model_len_auto=auto,
         nnodes=nodes,
+        max_cudagraph_capture_size=capture,
     )

@@ -17,7 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rankguard_sim.physics.engine_config import KV_CACHE_DTYPE_BYTES, EngineConfig
+from rankguard_sim.physics.engine_config import (
+    KV_CACHE_DTYPE_BYTES,
+    EngineConfig,
+    cudagraph_capture_sizes,
+)
 from rankguard_sim.physics.engine_failures import (
     CudaOutOfMemory,
     GpuLost,
@@ -48,13 +52,17 @@ class RankMemory:
     logits_per_seq: int  # the transient that grows with the running batch
     kv_bytes_per_token: int
     block_bytes: int  # one KV block across this rank's layers
+    cuda_graph_estimate: int = 0  # what vLLM's profiler estimates of `cuda_graph` (and budgets)
+    late_others: tuple[tuple[str, int], ...] = ()  # other processes that start after the snapshot
+    sampler_per_seq: int = 0  # the sampler's working set per sequence, beyond the logits
 
     @property
     def other_bytes(self) -> int:
         return sum(n for _, n in self.others)
 
     def transient(self, running_seqs: int) -> int:
-        return self.logits_per_seq * max(0, running_seqs)
+        """The logits and the sampler's working set for `running_seqs` sequences."""
+        return (self.logits_per_seq + self.sampler_per_seq) * max(0, running_seqs)
 
     @property
     def holds_logits(self) -> bool:
@@ -70,20 +78,36 @@ def _logits_per_seq(s: Scenario, rank: int) -> int:
     return math.ceil(vocab / tp) * nbytes  # the partial logits a non-driver rank computes
 
 
+def default_capture_size(scenario: Scenario) -> int:
+    """The largest CUDA graph vLLM captures at the scenario's defaults (what its cuda_graph
+    bytes are given for)."""
+    d = scenario.defaults
+    return cudagraph_capture_sizes(d.max_num_seqs, d.max_num_batched_tokens, None)[-1]
+
+
 def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
+    """Each rank's bytes under `config`: the scenario's components, scaled by the flags they grow
+    with (batched tokens: the profile run's activations; max_num_seqs: the dummy sampler;
+    the capture size: the CUDA graph pool), the graph pool gone under --enforce-eager."""
     model_dtype = scenario.model.dtype_bytes
+    d = scenario.defaults
+    default_dummy = min(d.max_num_seqs, d.max_num_batched_tokens)
+    dummy = min(config.max_num_seqs, config.max_num_batched_tokens)
+    capture_default = default_capture_size(scenario)
     dtype_bytes = config.dtype_bytes_override or model_dtype
     kv_dtype_bytes = KV_CACHE_DTYPE_BYTES.get(config.kv_cache_dtype, dtype_bytes)
     kv_heads = max(1, scenario.model.num_kv_heads // scenario.tensor_parallel_size)
     out = []
     for rank in range(scenario.world_size):
         phases = dict.fromkeys(PHASES, 0)
-        others = []
+        others: list[tuple[str, int]] = []
+        late: list[tuple[str, int]] = []
+        unprofiled_graphs = 0
         for c in scenario.components:
             nbytes = c.bytes_for(rank)
-            if c.phase == "other_process":
+            if c.phase in ("other_process", "late_other_process"):
                 if nbytes:
-                    others.append((c.name, nbytes))
+                    (others if c.phase == "other_process" else late).append((c.name, nbytes))
                 continue
             if c.disabled_by == "disable_custom_all_reduce" and config.disable_custom_all_reduce:
                 continue
@@ -92,26 +116,35 @@ def rank_memory(scenario: Scenario, config: EngineConfig) -> list[RankMemory]:
             if c.scales_with == "max_num_batched_tokens":
                 nbytes = nbytes * config.max_num_batched_tokens // scenario.defaults.max_num_batched_tokens
             elif c.scales_with == "max_num_seqs":
-                d = scenario.defaults
-                dummy = min(config.max_num_seqs, config.max_num_batched_tokens)
-                nbytes = nbytes * dummy // min(d.max_num_seqs, d.max_num_batched_tokens)
+                nbytes = nbytes * dummy // default_dummy
+            elif c.scales_with == "max_cudagraph_capture_size":
+                nbytes = nbytes * config.max_cudagraph_capture_size // capture_default
             elif c.scales_with == "dtype":
                 nbytes = nbytes * dtype_bytes // model_dtype
             phases[c.phase] += nbytes
+            if c.phase == "cuda_graph" and not c.profiled:
+                unprofiled_graphs += nbytes
         layers = scenario.layers_on_stage(scenario.pp_rank(rank))
         per_token = layers * 2 * kv_heads * scenario.model.head_dim * kv_dtype_bytes
+        logits = _logits_per_seq(scenario, rank)
+        # the sampler runs where the logits are (the last pipeline stage)
+        sampler = phases["sampler"] // default_dummy if logits else 0
         out.append(
             RankMemory(
                 rank=rank,
                 others=tuple(others),
                 init=phases["init"],
                 weights=phases["weights"],
-                profile_peak=phases["profile"],
+                # profile_run's dummy sampler holds its working set for the dummy requests
+                profile_peak=phases["profile"] + sampler * dummy,
                 cuda_graph=phases["cuda_graph"],
                 serving=phases["serving"],
-                logits_per_seq=_logits_per_seq(scenario, rank),
+                logits_per_seq=logits,
                 kv_bytes_per_token=per_token,
                 block_bytes=per_token * config.block_size,
+                cuda_graph_estimate=phases["cuda_graph"] - unprofiled_graphs,
+                late_others=tuple(late),
+                sampler_per_seq=sampler,
             )
         )
     return out
@@ -382,7 +415,7 @@ class EngineMemoryModel:
         if cfg.kv_cache_memory_bytes is not None:
             return [cfg.kv_cache_memory_bytes for _ in self.ranks]
         return [
-            want - (m.weights + m.profile_peak + m.cuda_graph)
+            want - (m.weights + m.profile_peak + m.cuda_graph_estimate)
             for want, m in zip(requested, self.ranks, strict=True)
         ]
 
@@ -449,8 +482,9 @@ class EngineMemoryModel:
             return None
         m, i = self.all_ranks[rank], self._device[rank]
         graphs = 0 if self.config.enforce_eager else m.cuda_graph
-        peak = m.profile_peak + graphs
-        non_kv = m.weights + peak + graphs
+        estimate = 0 if self.config.enforce_eager else m.cuda_graph_estimate
+        peak = m.profile_peak + estimate
+        non_kv = m.weights + peak + graphs  # gpu_worker.py:1028-1032: the actual pool here
         return WorkerMemoryReport(
             init_free=self.snapshot_free[i],
             total=self.ledger.total(i),
@@ -465,7 +499,12 @@ class EngineMemoryModel:
         )
 
     def allocate_kv(self) -> None:
+        """The KV cache, after the container's late processes took their memory (they start
+        between vLLM's memory snapshot and this allocation, so its budget never saw them)."""
         assert self.plan is not None, "determine_kv first"
+        for m in self.ranks:
+            for name, nbytes in m.late_others:
+                self.ledger.start_other(self._device[m.rank], name, nbytes)
         for m in self.ranks:
             self._allocate(m.rank, TAG_KV, self.plan.kv_bytes[m.rank], "initialize-kv-cache")
 

@@ -49,6 +49,7 @@ def outcome(
     enforce_eager: bool = False,
     disable_custom_all_reduce: bool = False,
     other_used_bytes: Sequence[int] | None = None,
+    max_cudagraph_capture_size: int | None = None,
 ) -> Outcome:
     """Replay start-up and one full load cycle on empty GPUs: does this flag set crash, where?
 
@@ -68,6 +69,7 @@ def outcome(
         kv_cache_dtype=kv_cache_dtype,
         enforce_eager=enforce_eager,
         disable_custom_all_reduce=disable_custom_all_reduce,
+        max_cudagraph_capture_size=max_cudagraph_capture_size,
     )
     return outcome_for_config(scenario, config, other_used_bytes=other_used_bytes)
 
@@ -146,6 +148,7 @@ def true_max_safe_kv(
     kv_cache_dtype: str = "auto",
     enforce_eager: bool = False,
     disable_custom_all_reduce: bool = False,
+    max_cudagraph_capture_size: int | None = None,
 ) -> SafeCapacity:
     """min over ranks of total − every non-KV byte − the transient peak at the scenario's max load.
 
@@ -165,13 +168,14 @@ def true_max_safe_kv(
         kv_cache_dtype=kv_cache_dtype,
         enforce_eager=enforce_eager,
         disable_custom_all_reduce=disable_custom_all_reduce,
+        max_cudagraph_capture_size=max_cudagraph_capture_size,
     )
     peak = min(scenario.load.peak_running_seqs, config.max_num_seqs)
     warmup = min(config.max_num_seqs, config.max_num_batched_tokens)
     headroom = []
     blocks = []
     for m in rank_memory(scenario, config):
-        fixed = m.other_bytes + m.init + m.weights + m.cuda_graph
+        fixed = m.other_bytes + sum(n for _, n in m.late_others) + m.init + m.weights + m.cuda_graph
         worst = max(m.serving + m.transient(peak), m.transient(warmup))
         room = max(0, scenario.gpu.total_bytes - fixed - worst)
         headroom.append(room)
@@ -196,6 +200,9 @@ def describe(scenario: Scenario) -> Iterator[str]:
         yield (
             f"  rank {m.rank}: other processes {gib(m.other_bytes):.2f} GiB, init {gib(m.init):.2f} GiB, "
             f"weights {gib(m.weights):.2f}, profile "
-            f"{gib(m.profile_peak):.2f}, graphs {gib(m.cuda_graph):.2f}, serving comm {gib(m.serving):.2f}, "
-            f"logits {m.logits_per_seq} B/seq, KV {m.kv_bytes_per_token} B/token"
+            f"{gib(m.profile_peak):.2f}, graphs {gib(m.cuda_graph):.2f} "
+            f"(estimated {gib(m.cuda_graph_estimate):.2f}), late others "
+            f"{gib(sum(n for _, n in m.late_others)):.2f}, serving comm {gib(m.serving):.2f}, "
+            f"logits {m.logits_per_seq} B/seq, sampler {m.sampler_per_seq} B/seq, "
+            f"KV {m.kv_bytes_per_token} B/token"
         )

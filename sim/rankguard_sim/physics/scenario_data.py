@@ -24,11 +24,31 @@ GIB = 1 << 30
 
 # "other_process": memory other processes of the vLLM container hold on this rank's GPU before
 # the workers start (the API server / engine core touching cuda:0): outside vLLM's budget.
-PHASES = ("other_process", "init", "weights", "profile", "cuda_graph", "serving")
+# "late_other_process": memory another process of the container takes on the GPU after the
+# workers' memory snapshot and before the KV cache is allocated (vLLM's budget, sized from the
+# snapshot, cannot see it: allocating the KV cache is what runs out).
+# "sampler": the sampler's working set beyond the logits, per dummy request (top-k/top-p sort
+# of [num_reqs, vocab]: the sorted copy, its indices, the probabilities), at the defaults'
+# min(max_num_seqs, max_num_batched_tokens) dummy requests. vLLM's profile_run runs the dummy
+# sampler (so the profile peak holds it), the warm-up after graph capture runs it again, and
+# every decode step holds it for its running sequences (last pipeline stage only).
+PHASES = (
+    "other_process",
+    "init",
+    "weights",
+    "profile",
+    "cuda_graph",
+    "serving",
+    "late_other_process",
+    "sampler",
+)
 LOGITS_MODES = ("gather", "all_gather")
 # "max_num_seqs": bytes at the defaults' dummy requests, min(max_num_seqs, max_num_batched_tokens),
 # scaled by the flags' (the last pipeline stage's dummy sampler in profile_run)
-SCALES_WITH = ("max_num_batched_tokens", "dtype", "max_num_seqs")
+# "max_cudagraph_capture_size": bytes at the defaults' largest captured size, scaled by the
+# configuration's (CUDA graphs share one memory pool and vLLM captures the largest first, so
+# the pool holds the largest graph's buffers and the smaller ones reuse them)
+SCALES_WITH = ("max_num_batched_tokens", "dtype", "max_num_seqs", "max_cudagraph_capture_size")
 DISABLED_BY = ("disable_custom_all_reduce", "enforce_eager")
 
 
@@ -136,6 +156,10 @@ class Component:
     source: str
     scales_with: str | None = None
     disabled_by: str | None = None
+    # cuda_graph only: False when vLLM's estimate of the graph pool (profile_cudagraph_memory,
+    # which extrapolates from the two largest graphs, vllm/v1/worker/gpu_model_runner.py:6268)
+    # misses these bytes, so the KV budget leaves no room for them
+    profiled: bool = True
 
     def bytes_for(self, rank: int) -> int:
         return self.rank_bytes.get(rank, self.default_bytes)
@@ -214,6 +238,9 @@ class Scenario:
     # The nodes (pods) the world spans (vLLM's --nnodes): node r holds global ranks
     # r × local_world_size … (r + 1) × local_world_size − 1, on its own GPUs 0, 1, …
     nnodes: int = 1
+    # The world of a model whose weights do not fit its GPUs at this TP (every flag fails
+    # loading them); the loader checks the opposite of a world that fits at rest.
+    weights_do_not_fit: bool = False
 
     @property
     def world_size(self) -> int:

@@ -144,6 +144,11 @@ def _component(doc: Any, where: str, world_size: int) -> Component:
         rank_bytes[key] = parse_bytes(value, f"{where}.ranks[{key}]")
     if "bytes" not in r.doc and not rank_bytes:
         raise ScenarioError(f"{where}: give `bytes` (every rank) and/or `ranks` (per rank)")
+    profiled = r._get("profiled", False)
+    if profiled is not None and not isinstance(profiled, bool):
+        raise ScenarioError(f"{where}.profiled: expected true or false")
+    if profiled is not None and phase != "cuda_graph":
+        raise ScenarioError(f"{where}.profiled: only a cuda_graph component has a profiler estimate")
     component = Component(
         name=name,
         phase=phase,
@@ -152,7 +157,12 @@ def _component(doc: Any, where: str, world_size: int) -> Component:
         source=r.source(),
         scales_with=r.choice("scales_with", SCALES_WITH),
         disabled_by=r.choice("disabled_by", DISABLED_BY),
+        profiled=True if profiled is None else profiled,
     )
+    if component.scales_with == "max_cudagraph_capture_size" and phase != "cuda_graph":
+        raise ScenarioError(f"{where}.scales_with: only CUDA graphs grow with the capture sizes")
+    if phase == "sampler" and component.scales_with is not None:
+        raise ScenarioError(f"{where}.scales_with: a sampler component grows with the dummy requests already")
     r.done()
     return component
 
@@ -272,6 +282,9 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
             raise ScenarioError(f"{where}.download.bytes_per_second: must be > 0")
         download = DownloadSpec(bytes_per_second=rate, source=dl.source())
         dl.done()
+    weights_do_not_fit = r._get("weights_do_not_fit", False)
+    if weights_do_not_fit is not None and not isinstance(weights_do_not_fit, bool):
+        raise ScenarioError(f"{where}.weights_do_not_fit: expected true or false")
     r.done()
 
     scenario = Scenario(
@@ -292,8 +305,12 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         model_config=model_config,
         download=download,
         nnodes=nnodes,
+        weights_do_not_fit=bool(weights_do_not_fit),
     )
-    _check_fits_at_rest(scenario, where)
+    if scenario.weights_do_not_fit:
+        _check_weights_do_not_fit(scenario, where)
+    else:
+        _check_fits_at_rest(scenario, where)
     return scenario
 
 
@@ -340,6 +357,16 @@ def _check_fits_at_rest(s: Scenario, where: str) -> None:
                 f"{where}: rank {rank} needs {gib(fixed):.2f} GiB before any KV cache, "
                 f"more than the GPU's {gib(s.gpu.total_bytes):.2f} GiB"
             )
+
+
+def _check_weights_do_not_fit(s: Scenario, where: str) -> None:
+    """`weights_do_not_fit: true` must be true: on some rank the weights exceed what the CUDA
+    context, the communicators and the other processes leave of the GPU."""
+    for rank in range(s.world_size):
+        held = sum(s.phase_bytes(rank, p) for p in ("other_process", "init", "weights"))
+        if held > s.gpu.total_bytes:
+            return
+    raise ScenarioError(f"{where}: weights_do_not_fit is set, but every rank's weights fit its GPU")
 
 
 def builtin_dir() -> Path:

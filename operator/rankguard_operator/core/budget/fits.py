@@ -7,6 +7,8 @@
   floor no GPU of this size can hold, a safety margin that leaves no room for the floor.
   Raises `SpecError`, so the step refuses the spec (phase Failed, reason InvalidSpec) and
   applies nothing.
+* `weights_fit`: after the weights did not load, the split (more TP) or the GPU size whose
+  weights and non-KV priors leave the floor, for the Degraded message (core/policy/oom_levers).
 
 Pure: no I/O, no clock.
 """
@@ -14,12 +16,15 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes
 from rankguard_operator.core.budget.kv_model import default_block_size, resolve_max_model_len, stage_layouts
 from rankguard_operator.core.budget.memory_model import PlanError
+from rankguard_operator.core.budget.planner import Plan, make_plan
 from rankguard_operator.core.model.resolve import ModelResolution
 from rankguard_operator.core.model.shape import ModelShape
+from rankguard_operator.core.spec.crd import MAX_GPUS_PER_REPLICA
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
@@ -163,3 +168,52 @@ def _check_margin(spec: ServiceSpec, size: int, gpu_text: str, floor: int | None
             "every plan would end at the floor. Lower spec.memory.safetyMarginBytes (default 512Mi) "
             "or the floor"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# After the weights did not load
+
+
+@dataclass(frozen=True)
+class WeightsFit:
+    """What the planner says would hold the model, after its weights did not load.
+
+    tp: the smallest tensor-parallel size above the current one (same pipeline stages, same
+        GPU) whose every rank keeps room for the floor (one request of maxModelLen) and the
+        safety margin next to its weights and non-KV priors; None when none up to
+        MAX_GPUS_PER_REPLICA does (or the model's heads allow none).
+    gpu_bytes: one GPU's memory that would hold the current split: the largest rank's non-KV
+        estimate plus the floor and the margin, and at least the GPU that just failed plus the
+        allocation's deficit and the margin when the message gave one; None when the priors say
+        the current GPU holds it and the message gave no figures (only "a larger GPU" is known).
+    """
+
+    tp: int | None
+    gpu_bytes: int | None
+
+
+def weights_fit(plan: Plan, deficit_bytes: int | None = None) -> WeightsFit | None:
+    """The split or GPU size that would fit the model (see WeightsFit); None for a plan made
+    from measurements alone (a measure-first model: no priors say what its weights need).
+
+    Other tensor-parallel sizes are planned from priors (config.json arithmetic): this run's
+    measurements and checkpoint headers are per rank of the current split."""
+    inp = plan.inputs
+    if inp.measured_only:
+        return None
+    need: int | None = (
+        max(r.non_kv_bytes for r in plan.ranks) + inp.safety_margin_bytes + plan.min_kv_cache_memory_bytes
+    )
+    total = min(r.total_bytes for r in plan.ranks)
+    if deficit_bytes is not None:
+        need = max(need or 0, total + deficit_bytes + inp.safety_margin_bytes)
+    elif need is not None and need <= total:
+        need = None  # the priors thought it fits: they are wrong, by how much nothing says
+    prior = replace(inp, measured=(), checkpoint_weights=None)
+    for tp in range(inp.tp + 1, MAX_GPUS_PER_REPLICA // inp.pp + 1):
+        try:
+            if make_plan(replace(prior, tp=tp)).feasible:
+                return WeightsFit(tp=tp, gpu_bytes=need)
+        except PlanError:
+            continue  # this TP does not divide the heads: vLLM would refuse it
+    return WeightsFit(tp=None, gpu_bytes=need)

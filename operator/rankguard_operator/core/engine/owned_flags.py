@@ -16,9 +16,11 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
-from rankguard_operator.core.engine.vllm_cli import VllmCli
+from rankguard_operator.core.engine.json_options import expand_human_numbers
+from rankguard_operator.core.engine.vllm_cli import VllmCli, human_readable_int
 from rankguard_operator.core.names import VLLM_HTTP_PORT
 
 # The `--quantization` methods rankguard renders from spec.model.quantization on an unquantised
@@ -41,6 +43,9 @@ OWNED: dict[str, str | None] = {
     "dtype": "spec.engine.dtype",
     "kv_cache_dtype": "spec.engine.kvCacheDtype",
     "enforce_eager": "spec.engine.enforceEager",
+    # rankguard's CUDA-graph lever after an OOM during graph capture (core/policy/oom_levers.py);
+    # the user's own capture sizes are `--cudagraph-capture-sizes` (then rankguard leaves it alone)
+    "max_cudagraph_capture_size": None,
     # The weights' size depends on it: the planner must know (spec.model.quantization).
     "quantization": "spec.model.quantization",
     # One pod is one data-parallel replica of tp×pp GPUs; more replicas are spec.replicas.
@@ -92,6 +97,12 @@ def _owned_message(dest: str, key: str, name: str) -> str:
             "the split) where the operator cannot see them; put its settings in extraArgs and the "
             "spec fields instead"
         )
+    if dest == "max_cudagraph_capture_size":
+        return (
+            f"{flag} is owned by rankguard: it lowers it after a CUDA OOM during CUDA-graph capture "
+            "(spec.remediation.levers.minCudaGraphCaptureSize is its floor); to fix the capture "
+            "sizes yourself use --cudagraph-capture-sizes, and rankguard leaves them alone"
+        )
     if instead is None:
         return (
             f"{flag} is owned by rankguard (vLLM must listen on $(POD_IP):{VLLM_HTTP_PORT} for "
@@ -128,3 +139,47 @@ def conflicting_flags(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
         if o is not None and o.dest in OWNED and o.name not in found:
             found.append(o.name)
     return found
+
+
+# vLLM 0.33 (engine/arg_utils.py create_engine_config, config/vllm.py _set_cudagraph_sizes):
+# `--max-cudagraph-capture-size` next to `--cudagraph-capture-sizes` whose largest size differs,
+# or next to compilation-config's own max_cudagraph_capture_size, is a ValueError at start-up.
+# So when the user sets capture sizes, rankguard renders no capture size of its own.
+_CAPTURE_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def capture_sizes_flag(extra_args: Sequence[str], cli: VllmCli) -> str | None:
+    """The extraArgs flag that sets CUDA-graph capture sizes (`--cudagraph-capture-sizes`, or
+    compilation-config's cudagraph_capture_sizes / max_cudagraph_capture_size, whole or dotted),
+    or None."""
+    for i, word in cli.walk(extra_args)[0]:
+        o = word.option
+        if o is None:
+            continue
+        if o.dest == "cudagraph_capture_sizes":
+            return word.key
+        if o.dest != "compilation_config":
+            continue
+        if word.dotted:  # `-cc.cudagraph_capture_sizes+ 1,2`: the key path is in the item itself
+            path = extra_args[i].split("=", 1)[0].split(".")[1:]
+            if path and path[0].rstrip("+") in _CAPTURE_KEYS:
+                return extra_args[i].split("=", 1)[0]
+            continue
+        for value in word.values:
+            try:
+                doc = json.loads(expand_human_numbers(value, human_readable_int))
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and any(k in doc for k in _CAPTURE_KEYS):
+                return f"{word.key} (its {', '.join(k for k in _CAPTURE_KEYS if k in doc)})"
+    return None
+
+
+def chunked_prefill_off(extra_args: Sequence[str], cli: VllmCli) -> bool:
+    """extraArgs turn chunked prefill off: vLLM 0.33 then refuses max_num_batched_tokens below
+    max_model_len (config/scheduler.py verify_max_model_len)."""
+    off = False
+    for _, word in cli.walk(extra_args)[0]:
+        if word.option is not None and word.option.dest == "enable_chunked_prefill":
+            off = word.turns_off  # argparse keeps the last
+    return off

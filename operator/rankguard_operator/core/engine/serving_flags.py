@@ -1,9 +1,12 @@
-"""The serving flags rankguard manages at run time: the KV budget and the container memory limit.
+"""The serving flags rankguard manages at run time: the KV budget, the container memory limit and
+the OOM levers (max-num-seqs, max-num-batched-tokens, max-cudagraph-capture-size, enforce-eager).
 
 `ServingFlags` is the small piece of state the policy changes (everything else in the
-Deployment follows from the spec). It travels three ways: into the rendered Deployment (as
-vLLM flags and a resource limit), into `.status` (`to_status` / `from_status`, camelCase, as
-the CRD's `lastKnownGood` object spells them), and into Events (`describe`).
+Deployment follows from the spec). A lever left None means "as spec.engine says"; the policy
+sets one after a CUDA OOM in the phase it answers (core/policy/oom_levers.py). It travels three
+ways: into the rendered Deployment (as vLLM flags and a resource limit), into `.status`
+(`to_status` / `from_status`, camelCase, as the CRD's `lastKnownGood` object spells them), and
+into Events (`describe`).
 
 Pure: no I/O, no clock.
 """
@@ -16,6 +19,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rankguard_operator.core.units import QuantityError, format_bytes, format_quantity, parse_bytes
+
+# The OOM levers: field -> its key in `.status` (the CRD's flags objects spell them so).
+LEVER_KEYS: dict[str, str] = {
+    "max_num_seqs": "maxNumSeqs",
+    "max_num_batched_tokens": "maxNumBatchedTokens",
+    "max_cudagraph_capture_size": "maxCudaGraphCaptureSize",
+    "enforce_eager": "enforceEager",
+}
+LEVER_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_cudagraph_capture_size")
 
 
 class FlagsError(ValueError):
@@ -30,11 +42,20 @@ class ServingFlags:
         wins: vLLM then ignores `--gpu-memory-utilization`, so only one of the two is rendered.
     gpu_memory_utilization: `--gpu-memory-utilization`, used only while no byte budget is known.
     memory_limit_bytes: the container's host-memory limit; None means "as spec.resources says".
+    max_num_seqs, max_num_batched_tokens: `--max-num-seqs`, `--max-num-batched-tokens`; None:
+        spec.engine's.
+    max_cudagraph_capture_size: `--max-cudagraph-capture-size` (rendered only when set and the
+        engine is not eager); None: vLLM's own default.
+    enforce_eager: `--enforce-eager` when True; None: spec.engine.enforceEager.
     """
 
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     memory_limit_bytes: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_cudagraph_capture_size: int | None = None
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         kv = self.kv_cache_memory_bytes
@@ -48,6 +69,12 @@ class ServingFlags:
         m = self.memory_limit_bytes
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise FlagsError(f"memory_limit_bytes must be a positive integer, got {m!r}")
+        for name in LEVER_INTS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise FlagsError(f"{name} must be a positive integer, got {v!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise FlagsError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
 
     @property
     def uses_bytes(self) -> bool:
@@ -61,6 +88,10 @@ class ServingFlags:
     def with_memory_limit(self, memory_limit_bytes: int | None) -> ServingFlags:
         return replace(self, memory_limit_bytes=memory_limit_bytes)
 
+    def levers(self) -> tuple[int | bool | None, ...]:
+        """The OOM levers, in LEVER_KEYS' order (None: as the spec says)."""
+        return tuple(getattr(self, name) for name in LEVER_KEYS)
+
     def budget_text(self) -> str:
         """The KV budget as the KV-BUDGET column shows it: `27.6Gi`, `util 0.92`, or `vllm default`."""
         if self.kv_cache_memory_bytes is not None:
@@ -70,13 +101,20 @@ class ServingFlags:
         return "vllm default"
 
     def describe(self) -> str:
-        """One line for Events and messages: `kv-cache-memory-bytes 27.6Gi, memory limit 64Gi`."""
+        """One line for Events and messages: `kv-cache-memory-bytes 27.6Gi, max-num-seqs 128,
+        enforce-eager, memory limit 64Gi` (every lever that is set)."""
         if self.kv_cache_memory_bytes is not None:
             parts = [f"kv-cache-memory-bytes {format_bytes(self.kv_cache_memory_bytes)}"]
         elif self.gpu_memory_utilization is not None:
             parts = [f"gpu-memory-utilization {self.gpu_memory_utilization:g}"]
         else:
             parts = ["vLLM's default KV budget"]
+        for name in LEVER_INTS:
+            v = getattr(self, name)
+            if v is not None:
+                parts.append(f"{name.replace('_', '-')} {v}")
+        if self.enforce_eager is not None:
+            parts.append("enforce-eager" if self.enforce_eager else "no-enforce-eager")
         if self.memory_limit_bytes is not None:
             parts.append(f"memory limit {format_bytes(self.memory_limit_bytes)}")
         return ", ".join(parts)
@@ -93,6 +131,10 @@ class ServingFlags:
             doc["gpuMemoryUtilization"] = float(self.gpu_memory_utilization)
         if self.memory_limit_bytes is not None:
             doc["memoryLimit"] = format_quantity(self.memory_limit_bytes)
+        for name, key in LEVER_KEYS.items():
+            v = getattr(self, name)
+            if v is not None:
+                doc[key] = v
         return doc
 
     @classmethod
@@ -108,12 +150,18 @@ class ServingFlags:
                 return None
             limit_raw = doc.get("memoryLimit", doc.get("memoryLimitBytes"))
             limit = None if limit_raw is None else parse_bytes(limit_raw)
-            if kv is None and util is None and limit is None:
+            levers = {name: _opt_int(doc.get(key)) for name, key in LEVER_KEYS.items() if name in LEVER_INTS}
+            eager = doc.get(LEVER_KEYS["enforce_eager"])
+            if eager is not None and not isinstance(eager, bool):
+                return None
+            if kv is None and util is None and limit is None and eager is None and not any(levers.values()):
                 return None
             return cls(
                 kv_cache_memory_bytes=kv,
                 gpu_memory_utilization=None if util is None else float(util),
                 memory_limit_bytes=limit,
+                enforce_eager=eager,
+                **levers,
             )
         except (FlagsError, QuantityError, TypeError, ValueError):
             return None

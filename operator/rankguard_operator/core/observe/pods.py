@@ -123,6 +123,9 @@ class Termination:
     # a start-up refusal because the weights another process holds on the GPU (a zero-copy
     # weight cache) reach utilisation × total: these bytes; None for every other termination
     external_weight_bytes: int | None = None
+    # the engine phase the rank ran out of memory in (the termination message's, one of the
+    # agent's termination.PHASES); None: unknown (a log tail, an older agent, no OOM)
+    phase: str | None = None
 
     @property
     def key(self) -> str:
@@ -198,6 +201,7 @@ def _classify(terminated: Mapping[str, Any], *, group_pod: bool = False) -> dict
             "kv_cache_bytes": _kv_bytes_from_line(msg.last_kv_line),
             "startup_refusal": msg.startup_check,
             "external_weight_bytes": msg.external_weight_bytes if msg.startup_check else None,
+            "phase": msg.phase,
         }
     # The host cgroup's verdict wins: when the kernel OOM-killed the container, whatever the
     # launcher managed to write (usually "Signaled") is a consequence, not the cause.

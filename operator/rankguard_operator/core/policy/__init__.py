@@ -22,6 +22,9 @@ Rules, in the order they are tried (the first that applies wins):
     reports, or from the plan (util × total − the plan's non-KV estimate of rank r); without
     any of those the service is Degraded with a message asking for a budget or GPU size.
     A deficit the message did not state counts as max(256 MiB, 5 % of the budget).
+    That is rule 1 for an OOM of an unknown phase or of the KV allocation; an OOM the agent
+    placed in another engine phase moves that phase's lever instead (oom_levers.py: batched
+    tokens, sequences, the capture size, enforce-eager; the weights' phase is Degraded).
  2. KVCacheTooSmall (vLLM refused to start) -> in utilisation mode with a plan whose budget
     fits one request, switch to it; otherwise Degraded, naming the knobs.
  3. OOMKilled -> raise the memory limit as the VPA does: max(old + 100 MiB, old × ratio),

@@ -1,12 +1,15 @@
 """Rules 1-5b: a run ended badly (CUDA OOM, KV cache too small, OOMKilled, a failed rollout, an
-engine error after a change, an engine error no rollback can fix)."""
+engine error after a change, an engine error no rollback can fix). A CUDA OOM of a known phase
+other than the KV allocation's is answered by that phase's lever (oom_levers.py)."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 
+from rankguard_agent.wire.termination import PHASE_KV_ALLOCATION
 from rankguard_operator.core.budget.bounds import kv_floor
 from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
@@ -24,9 +27,11 @@ from rankguard_operator.core.policy.decision import (
     rank_text,
 )
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
+from rankguard_operator.core.policy.oom_levers import lever_decision
 from rankguard_operator.core.policy.startup_refusals import startup_refusal
 from rankguard_operator.core.policy.tunables import (
     KNOBS,
+    LEVER_KV,
     T_CUDA_OOM,
     T_ENGINE_ERROR,
     T_KV_TOO_SMALL,
@@ -58,6 +63,9 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
     refused = startup_refusal(inp, ooms, worst)
     if refused is not None:
         return refused
+    if worst.phase is not None and worst.phase != PHASE_KV_ALLOCATION:
+        # a phase before the KV cache exists, or after it: its own lever (oom_levers.py)
+        return lever_decision(inp, worst, what, keys)
     if inp.spec.memory.pinned:
         need = (worst.deficit_bytes or 0) + margin
         return make_decision(
@@ -100,17 +108,21 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
         how = f" (deficit {format_bytes(deficit)} plus the {format_bytes(margin)} safety margin)"
     if cur.kv_cache_memory_bytes is None:
         how += f"; switching from gpu-memory-utilization to bytes, starting from {base_text}"
-    return budget_change(
+    if worst.phase is not None:
+        how += f" (lever {LEVER_KV}, the only one for this phase)"
+    d = budget_change(
         inp,
         "shrink",
         base - deficit - margin,
         base,
         trigger=T_CUDA_OOM,
-        why=what,
+        why=what if worst.phase is None else f"{what} while allocating the KV cache",
         rank=worst.rank,
         handled=keys,
         how=how,
     )
+    # the KV allocation's OOM is rule 1 as it was; its history item says the phase and lever
+    return d if worst.phase is None else replace(d, phase=worst.phase, lever=LEVER_KV)
 
 
 def rule_kv_too_small(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:

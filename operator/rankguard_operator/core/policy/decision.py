@@ -9,12 +9,25 @@ from typing import Literal
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
-from rankguard_operator.core.observe.pods import OOM_KILLED, RolloutState, Termination
+from rankguard_operator.core.observe.pods import CUDA_OOM, OOM_KILLED, RolloutState, Termination
 from rankguard_operator.core.policy.history import Remediation
 from rankguard_operator.core.spec.parse import ServiceSpec
 
 Action = Literal[
-    "none", "initial", "shrink", "raise-memory-limit", "grow", "rollback", "degrade", "hold", "replan"
+    "none",
+    "initial",
+    "shrink",
+    "raise-memory-limit",
+    "grow",
+    "rollback",
+    "degrade",
+    "hold",
+    "replan",
+    # the OOM levers other than the KV budget (core/policy/oom_levers.py)
+    "lower-batched-tokens",
+    "lower-num-seqs",
+    "lower-capture-size",
+    "enforce-eager",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -50,6 +63,9 @@ class Decision:
     handled: tuple[str, ...] = ()  # termination keys this decision accounts for
     retry_after: float | None = None  # seconds until a held action may go ahead
     held_action: str | None = None  # for "hold": what would have been done
+    phase: str | None = None  # the engine phase of the CUDA OOM this answers (None: unknown / no OOM)
+    lever: str | None = None  # the OOM lever moved (oom_levers.LEVERS), None for other changes
+    lever_from: int | bool | None = None  # that lever's value before (the spec's when no flag set it)
 
     @property
     def changes_flags(self) -> bool:
@@ -70,6 +86,9 @@ class Decision:
             to_flags=self.flags,
             revision=revision,
             message=self.message,
+            phase=self.phase,
+            lever=self.lever,
+            lever_from=self.lever_from,
         )
 
 
@@ -84,12 +103,20 @@ def same_budget(a: ServingFlags, b: ServingFlags) -> bool:
     )
 
 
+def same_gpu_flags(a: ServingFlags, b: ServingFlags) -> bool:
+    """The same GPU-memory flags: the KV budget and every OOM lever."""
+    return same_budget(a, b) and a.levers() == b.levers()
+
+
 def superseded(t: Termination, current: ServingFlags) -> bool:
-    """The pod ran other flags than the current ones in the dimension this failure is about."""
+    """The pod ran other flags than the current ones in the dimension this failure is about (a
+    CUDA OOM: the budget or any OOM lever, since each of them moves GPU memory)."""
     if t.flags is None:
         return False
     if t.kind == OOM_KILLED:
         return t.flags.memory_limit_bytes != current.memory_limit_bytes
+    if t.kind == CUDA_OOM:
+        return not same_gpu_flags(t.flags, current)
     return not same_budget(t.flags, current)
 
 
@@ -107,6 +134,9 @@ def make_decision(
     message: str,
     rank: int | None = None,
     handled: Sequence[str] = (),
+    phase: str | None = None,
+    lever: str | None = None,
+    lever_from: int | bool | None = None,
 ) -> Decision:
     return Decision(
         action=action,
@@ -117,6 +147,9 @@ def make_decision(
         rank=rank,
         from_flags=inp.current,
         handled=tuple(handled),
+        phase=phase,
+        lever=lever,
+        lever_from=lever_from,
     )
 
 

@@ -1,9 +1,10 @@
 """The remediation history: what rankguard changed, when and why, as kept in `.status`.
 
 `Remediation` is one automatic change; `to_status` / `from_status` map it to the CRD's
-`status.remediations[]` item (time, trigger, action, rank, from, to, revision, message) and
-back. The policy reads the history for its guard rails (cooldown, changes per hour, the
-budgets that failed in the last day).
+`status.remediations[]` item (time, trigger, action, rank, from, to, revision, message, and for
+a CUDA OOM answered by a lever its phase and lever) and back. The policy reads the history for
+its guard rails (cooldown, changes per hour, the budgets that failed in the last day) and for
+the OOM levers' escalation (oom_levers.py).
 
 Pure: no I/O, no clock.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.policy.tunables import LEVER_FIELDS, LEVERS
 from rankguard_operator.core.units import QuantityError, format_quantity, iso, parse_bytes, parse_iso
 
 # Decision actions -> the CRD's action names.
@@ -26,8 +28,16 @@ STATUS_ACTIONS: dict[str, str] = {
     "replan": "Replan",
     "raise-memory-limit": "BumpMemoryLimit",
     "rollback": "Rollback",
+    "lower-batched-tokens": "LowerMaxNumBatchedTokens",
+    "lower-num-seqs": "LowerMaxNumSeqs",
+    "lower-capture-size": "LowerCudaGraphCaptureSize",
+    "enforce-eager": "EnforceEager",
 }
 _FROM_STATUS_ACTIONS = {
+    "LowerMaxNumBatchedTokens": "lower-batched-tokens",
+    "LowerMaxNumSeqs": "lower-num-seqs",
+    "LowerCudaGraphCaptureSize": "lower-capture-size",
+    "EnforceEager": "enforce-eager",
     "ShrinkKVCache": "shrink",
     "GrowKVCache": "grow",
     "Replan": "replan",
@@ -49,11 +59,15 @@ class Remediation:
     to_flags: ServingFlags
     revision: str | int | None = None
     message: str = ""
+    phase: str | None = None  # the engine phase of the CUDA OOM it answered (None: unknown)
+    lever: str | None = None  # the OOM lever it moved (tunables.LEVERS)
+    lever_from: int | bool | None = None  # that lever's value before (the spec's when no flag set it)
 
     def to_status(self) -> dict[str, Any]:
         """The CRD's remediation item; from/to carry the value that changed (bytes for the KV
-        budget, a quantity for the memory limit, `util=0.92` for a utilisation), and
-        fromFlags/toFlags keep the whole flags when the schema preserves them."""
+        budget, a quantity for the memory limit, `util=0.92` for a utilisation, the lever's own
+        value for another OOM lever: 128, or "true" for enforce-eager), and fromFlags/toFlags
+        keep the whole flags."""
         doc: dict[str, Any] = {
             "time": iso(self.time),
             "trigger": self.trigger,
@@ -62,13 +76,21 @@ class Remediation:
         }
         if self.rank is not None:
             doc["rank"] = self.rank
-        limit_changed = self.action == "raise-memory-limit" or (
-            self.from_flags is not None
-            and self.from_flags.kv_cache_memory_bytes == self.to_flags.kv_cache_memory_bytes
-            and self.from_flags.gpu_memory_utilization == self.to_flags.gpu_memory_utilization
-        )
-        frm = _scalar(self.from_flags, limit_changed)
-        to = _scalar(self.to_flags, limit_changed)
+        if self.phase is not None:
+            doc["phase"] = self.phase
+        if self.lever is not None:
+            doc["lever"] = self.lever
+        field = LEVER_FIELDS.get(self.lever or "", "kv_cache_memory_bytes")
+        if field != "kv_cache_memory_bytes":
+            frm, to = _lever_scalar(self.lever_from), _lever_scalar(getattr(self.to_flags, field))
+        else:
+            limit_changed = self.action == "raise-memory-limit" or (
+                self.from_flags is not None
+                and self.from_flags.kv_cache_memory_bytes == self.to_flags.kv_cache_memory_bytes
+                and self.from_flags.gpu_memory_utilization == self.to_flags.gpu_memory_utilization
+            )
+            frm = _scalar(self.from_flags, limit_changed)
+            to = _scalar(self.to_flags, limit_changed)
         if frm is not None:
             doc["from"] = frm
         if to is not None:
@@ -89,10 +111,17 @@ class Remediation:
         if t is None:
             return None
         action = _FROM_STATUS_ACTIONS.get(str(doc.get("action")), str(doc.get("action") or ""))
-        frm = ServingFlags.from_status(doc.get("fromFlags")) or _flags_from_scalar(doc.get("from"))
+        lever = doc.get("lever") if doc.get("lever") in LEVERS else None
+        phase = doc.get("phase")
+        field = LEVER_FIELDS.get(lever or "", "kv_cache_memory_bytes")
+        # another lever's from/to are its own values, never a budget or a limit
+        lever_value = field != "kv_cache_memory_bytes"
+        frm = ServingFlags.from_status(doc.get("fromFlags")) or (
+            _lever_flags(field, doc.get("from")) if lever_value else _flags_from_scalar(doc.get("from"))
+        )
         to = (
             ServingFlags.from_status(doc.get("toFlags"))
-            or _flags_from_scalar(doc.get("to"))
+            or (_lever_flags(field, doc.get("to")) if lever_value else _flags_from_scalar(doc.get("to")))
             or ServingFlags()
         )
         rank = doc.get("rank")
@@ -108,6 +137,9 @@ class Remediation:
             if isinstance(revision, (str, int)) and not isinstance(revision, bool)
             else None,
             message=str(doc.get("message") or ""),
+            phase=phase if isinstance(phase, str) and phase else None,
+            lever=lever,
+            lever_from=_lever_value(doc.get("from")) if lever_value else None,
         )
 
 
@@ -121,6 +153,30 @@ def _scalar(flags: ServingFlags | None, limit: bool) -> int | str | None:
     if flags.gpu_memory_utilization is not None:
         return f"util={flags.gpu_memory_utilization!r}"
     return None
+
+
+def _lever_scalar(v: int | bool | None) -> int | str | None:
+    """A lever's value as the CRD's int-or-string from/to hold it (a switch as "true"/"false")."""
+    if v is None:
+        return None
+    return str(v).lower() if isinstance(v, bool) else v
+
+
+def _lever_value(v: Any) -> int | bool | None:
+    if isinstance(v, str) and v in ("true", "false"):
+        return v == "true"
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    return None
+
+
+def _lever_flags(field: str, v: Any) -> ServingFlags | None:
+    """Flags with only `field` set from a lever's scalar (an item written without fromFlags/toFlags)."""
+    value = _lever_value(v)
+    if value is None or isinstance(value, bool) != (field == "enforce_eager"):
+        return None
+    kw: dict[str, Any] = {field: value}
+    return ServingFlags(**kw)
 
 
 def _flags_from_scalar(v: Any) -> ServingFlags | None:

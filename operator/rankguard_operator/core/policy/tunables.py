@@ -30,6 +30,11 @@ DEFAULT_START_UTILIZATION = 0.9
 # The VPA's OOM bump: max(old + 100 MiB, old × ratio).
 VPA_MIN_BUMP_BYTES = 100 * MiB
 RATE_WINDOW_SECONDS = 3600.0
+# OOM levers (oom_levers.py): a CUDA OOM in the same phase within this long of the change that
+# answered the last one means that lever did not fix it, so the next lever moves. An hour is
+# long enough for a start-up that crash-loops through the kubelet's back-off (5 min cap) several
+# times, and short enough that an OOM days later starts the ladder again from its cheapest lever.
+ESCALATION_WINDOW_SECONDS = 3600.0
 
 # Triggers (the "why") and the CRD's action names for the history.
 T_INITIAL = "Initial"
@@ -48,6 +53,21 @@ T_COOLDOWN = "Cooldown"
 T_RATE_LIMIT = "RateLimit"
 T_DISABLED = "RemediationDisabled"
 T_FLOOR = "Floor"
+# The OOM levers, as status.remediations[].lever names them (oom_levers.py moves them).
+LEVER_KV = "kv-budget"
+LEVER_BATCHED = "max-num-batched-tokens"
+LEVER_SEQS = "max-num-seqs"
+LEVER_CAPTURE = "max-cudagraph-capture-size"
+LEVER_EAGER = "enforce-eager"
+LEVERS = (LEVER_KV, LEVER_BATCHED, LEVER_SEQS, LEVER_CAPTURE, LEVER_EAGER)
+# lever -> its ServingFlags field (the KV budget's is kv_cache_memory_bytes)
+LEVER_FIELDS: dict[str, str] = {
+    LEVER_KV: "kv_cache_memory_bytes",
+    LEVER_BATCHED: "max_num_batched_tokens",
+    LEVER_SEQS: "max_num_seqs",
+    LEVER_CAPTURE: "max_cudagraph_capture_size",
+    LEVER_EAGER: "enforce_eager",
+}
 # The triggers of a run that ended badly: a decision about one is said once per termination.
 CRASH_TRIGGERS = (T_CUDA_OOM, T_KV_TOO_SMALL, T_OOM_KILLED, T_ENGINE_ERROR)
 

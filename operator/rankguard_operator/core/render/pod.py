@@ -178,10 +178,16 @@ def vllm_args(
             args += ["--gpu-memory-utilization", _util_text(startup)]
     elif flags.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", _util_text(flags.gpu_memory_utilization)]
-    args += ["--max-num-seqs", str(e.max_num_seqs)]
+    # the OOM levers (core/policy/oom_levers.py): the flag's value when the policy moved it
+    seqs = flags.max_num_seqs if flags.max_num_seqs is not None else e.max_num_seqs
+    batched = (
+        flags.max_num_batched_tokens if flags.max_num_batched_tokens is not None else e.max_num_batched_tokens
+    )
+    eager = flags.enforce_eager if flags.enforce_eager is not None else e.enforce_eager
+    args += ["--max-num-seqs", str(seqs)]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]
-    args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    args += ["--max-num-batched-tokens", str(batched)]
     if e.block_size is not None:
         # only when asked: vLLM picks the block size per attention backend otherwise, and a
         # forced size can conflict with the backend (8 with FlashAttention)
@@ -192,8 +198,12 @@ def vllm_args(
         "--kv-cache-dtype",
         e.kv_cache_dtype,
     ]
-    if e.enforce_eager:
+    if eager:
         args.append("--enforce-eager")
+    elif flags.max_cudagraph_capture_size is not None and e.capture_sizes_flag is None:
+        # an eager engine captures nothing; next to the user's own capture sizes vLLM 0.33 refuses
+        # a different maximum (config/vllm.py), so those are left as the user set them
+        args += ["--max-cudagraph-capture-size", str(flags.max_cudagraph_capture_size)]
     if spec.model.quantization is not None:
         args += ["--quantization", spec.model.quantization]
     args += ["--host", spec.listen_address, "--port", str(VLLM_HTTP_PORT)]

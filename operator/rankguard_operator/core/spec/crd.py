@@ -42,6 +42,15 @@ MAX_GPU_BYTES = TiB
 DEFAULT_COOLDOWN_SECONDS = 300
 DEFAULT_MAX_PER_HOUR = 4
 DEFAULT_HOST_MEMORY_BUMP_RATIO = 1.2
+# spec.remediation.levers: the floors of the OOM levers (core/policy/oom_levers.py). 8 sequences
+# and 8 captured tokens keep batching and CUDA graphs worth having; 1024 batched tokens keep a
+# chunked prefill from crawling (vLLM's own default for a long-context model is 2048 or more).
+DEFAULT_MIN_NUM_SEQS = 8
+DEFAULT_MIN_NUM_BATCHED_TOKENS = 1024
+DEFAULT_MIN_CUDAGRAPH_CAPTURE_SIZE = 8
+MAX_NUM_SEQS = 65536  # spec.engine.maxNumSeqs's bound, and its floor's
+MAX_NUM_BATCHED_TOKENS = 10_000_000  # spec.engine.maxNumBatchedTokens's bound, and its floor's
+MAX_CUDAGRAPH_CAPTURE_SIZE = 65536
 
 # spec.listenAddress
 LISTEN_ADDRESSES = ("0.0.0.0", "::")

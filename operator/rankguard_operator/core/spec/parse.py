@@ -18,23 +18,22 @@ Pure: no I/O (a ConfigMap holding config.json is read by the caller and passed i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rankguard_operator.core.engine.owned_flags import (
     RUNTIME_QUANTIZATION,
+    capture_sizes_flag,
     check_extra_args,
     check_group_args,
+    chunked_prefill_off,
 )
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.surface import block_size_problem, check_host_memory, check_surface
 from rankguard_operator.core.spec.crd import (
     BLOCK_SIZES,
-    DEFAULT_COOLDOWN_SECONDS,
-    DEFAULT_HOST_MEMORY_BUMP_RATIO,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_MAX_PER_HOUR,
     DEFAULT_MIN_HEADROOM_BYTES,
     DEFAULT_SAFETY_MARGIN_BYTES,
     DEFAULT_STARTUP_TIMEOUT_SECONDS,
@@ -44,6 +43,8 @@ from rankguard_operator.core.spec.crd import (
     LOGITS_MODES,
     MAX_GPU_BYTES,
     MAX_GPUS_PER_REPLICA,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
     MIN_PINNED_KV_BYTES,
     SHAPE_OVERRIDE_KEYS,
 )
@@ -53,7 +54,6 @@ from rankguard_operator.core.spec.fields import (
     bool_field,
     choice_field,
     int_field,
-    memory_quantity,
     number_field,
     required_int,
     section,
@@ -67,6 +67,7 @@ from rankguard_operator.core.spec.pod import (
     parse_model_cache,
     parse_resources,
 )
+from rankguard_operator.core.spec.remediation import RemediationSpec, parse_remediation
 from rankguard_operator.core.spec.template import PodTemplate, parse_template, vllm_env_names
 
 
@@ -91,6 +92,11 @@ class EngineSpec:
     logits_mode: str = "all-gather"
     extra_args: tuple[str, ...] = ()
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_SECONDS  # the startup probe's budget
+    # what extraArgs say that limits the OOM levers (read with the image's vLLM CLI): the flag
+    # that sets CUDA-graph capture sizes (rankguard then leaves the capture size alone), and
+    # chunked prefill turned off (then max_num_batched_tokens stays >= max_model_len)
+    capture_sizes_flag: str | None = None
+    chunked_prefill_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,17 +111,6 @@ class MemorySpec:
     @property
     def pinned(self) -> bool:
         return self.kv_cache_memory_bytes is not None
-
-
-@dataclass(frozen=True)
-class RemediationSpec:
-    enabled: bool = True
-    cooldown_seconds: int = DEFAULT_COOLDOWN_SECONDS
-    max_per_hour: int = DEFAULT_MAX_PER_HOUR
-    min_kv_cache_bytes: int | None = None
-    max_kv_cache_bytes: int | None = None
-    host_memory_bump_ratio: float = DEFAULT_HOST_MEMORY_BUMP_RATIO
-    max_host_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -211,8 +206,10 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
 def _parse_engine(spec: Mapping[str, Any]) -> EngineSpec:
     w = "spec.engine"
     e = section(spec, "engine", "spec")
-    max_num_seqs = required_int(e, "maxNumSeqs", w, DEFAULT_MAX_NUM_SEQS, lo=1, hi=65536)
-    batched = required_int(e, "maxNumBatchedTokens", w, DEFAULT_MAX_NUM_BATCHED_TOKENS, lo=1, hi=10_000_000)
+    max_num_seqs = required_int(e, "maxNumSeqs", w, DEFAULT_MAX_NUM_SEQS, lo=1, hi=MAX_NUM_SEQS)
+    batched = required_int(
+        e, "maxNumBatchedTokens", w, DEFAULT_MAX_NUM_BATCHED_TOKENS, lo=1, hi=MAX_NUM_BATCHED_TOKENS
+    )
     if batched < max_num_seqs:
         raise SpecError(
             f"spec.engine.maxNumBatchedTokens ({batched}) must be >= spec.engine.maxNumSeqs "
@@ -290,47 +287,6 @@ def _parse_memory(spec: Mapping[str, Any]) -> MemorySpec:
     )
 
 
-def _parse_remediation(spec: Mapping[str, Any], memory: MemorySpec) -> RemediationSpec:
-    w = "spec.remediation"
-    r = section(spec, "remediation", "spec")
-    lo = int_field(r, "minKVCacheBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
-    hi = int_field(r, "maxKVCacheBytes", w, None, lo=1, hi=MAX_GPU_BYTES)
-    if lo is not None and hi is not None and lo > hi:
-        raise SpecError(
-            f"spec.remediation.minKVCacheBytes ({lo}, the floor) must be <= "
-            f"spec.remediation.maxKVCacheBytes ({hi}, the ceiling)"
-        )
-    gpu = memory.gpu_memory_bytes
-    if lo is not None and gpu is not None and lo >= gpu:
-        raise SpecError(
-            f"spec.remediation.minKVCacheBytes ({lo}, the floor of the per-GPU KV budget) must be smaller "
-            f"than spec.memory.gpuMemoryBytes ({gpu}): no budget can satisfy a floor above one GPU's "
-            "memory; lower the floor well below it (the weights and buffers share each GPU)"
-        )
-    pinned = memory.kv_cache_memory_bytes
-    if pinned is not None and lo is not None and pinned < lo:
-        raise SpecError(
-            "spec.memory.kvCacheMemoryBytes is below spec.remediation.minKVCacheBytes: raise the pinned "
-            "budget or lower the floor"
-        )
-    if pinned is not None and hi is not None and pinned > hi:
-        raise SpecError(
-            "spec.memory.kvCacheMemoryBytes is above spec.remediation.maxKVCacheBytes: lower the pinned "
-            "budget or raise the ceiling"
-        )
-    ratio = number_field(r, "hostMemoryBumpRatio", w, DEFAULT_HOST_MEMORY_BUMP_RATIO, lo=1.0, hi=4.0)
-    assert ratio is not None
-    return RemediationSpec(
-        enabled=bool_field(r, "enabled", w, True),
-        cooldown_seconds=required_int(r, "cooldownSeconds", w, DEFAULT_COOLDOWN_SECONDS, lo=0, hi=86400),
-        max_per_hour=required_int(r, "maxPerHour", w, DEFAULT_MAX_PER_HOUR, lo=0, hi=60),
-        min_kv_cache_bytes=lo,
-        max_kv_cache_bytes=hi,
-        host_memory_bump_ratio=ratio,
-        max_host_memory_bytes=memory_quantity(r, "maxHostMemory", w),
-    )
-
-
 def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     """Parse an LLMService's `spec` (camelCase, as the API returns it). Raises `SpecError`."""
     if not isinstance(spec, Mapping):
@@ -370,6 +326,11 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
     )
     if problems:
         raise SpecError("; ".join(problems))
+    engine = replace(
+        engine,
+        capture_sizes_flag=capture_sizes_flag(engine.extra_args, cli),
+        chunked_prefill_off=chunked_prefill_off(engine.extra_args, cli),
+    )
     cache = parse_model_cache(spec)
     template = parse_template(spec.get("template"), cache.mount_path if cache is not None else None)
     if distributed is not None:
@@ -382,7 +343,9 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         pp=pp,
         engine=engine,
         memory=memory,
-        remediation=_parse_remediation(spec, memory),
+        remediation=parse_remediation(
+            spec, gpu_memory_bytes=memory.gpu_memory_bytes, pinned_kv_bytes=memory.kv_cache_memory_bytes
+        ),
         agent=agent,
         resources=resources,
         listen_address=choice_field(spec, "listenAddress", "spec", LISTEN_ADDRESSES[0], LISTEN_ADDRESSES),

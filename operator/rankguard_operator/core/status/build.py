@@ -18,12 +18,14 @@ from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.conditions import Condition, condition, phase_for, set_condition
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
+from rankguard_operator.core.observe.memory_trend import MemoryTrend
 from rankguard_operator.core.observe.pod_blockers import REASONS as POD_BLOCKER_REASONS
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.policy.history import Remediation, history_from_status
 from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.creep import memory_creep_condition
 from rankguard_operator.core.units import format_bytes
 
 HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations
@@ -320,11 +322,14 @@ def build_status(
     ready_replicas: int,
     history: Sequence[Mapping[str, Any]],
     blocker: tuple[str, str] | None = None,
+    memory_trend: MemoryTrend | None = None,
 ) -> dict[str, Any]:
     """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
     status to `status_patch`: fields set to None here are removed, other fields are kept.
     `blocker`: (reason, message) of something observed that keeps the service from serving
-    (core/observe/blockers), Degraded while it lasts unless this pass's decision says more."""
+    (core/observe/blockers), Degraded while it lasts unless this pass's decision says more.
+    `memory_trend`: the tightest rank's headroom over hours (core/observe/memory_trend), shown
+    as `status.memoryTrend` and the MemoryCreep condition."""
     parsed = history_from_status(list(history))
     last = parsed[-1] if parsed else None
     conditions = _conditions(
@@ -339,6 +344,13 @@ def build_status(
         last=last,
         blocker=blocker,
     )
+    conditions = set_condition(
+        conditions,
+        Condition.MEMORY_CREEP,
+        *memory_creep_condition(memory_trend, spec, list(old.get("conditions") or [])),
+        now_iso,
+        generation,
+    )
     return {
         "phase": phase_for(conditions).value,
         "observedGeneration": generation,
@@ -349,4 +361,7 @@ def build_status(
         "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),
         "remediations": [dict(h) for h in history][-HISTORY_LIMIT:],
+        "memoryTrend": None
+        if memory_trend is None
+        else memory_trend.to_status(spec.memory.min_headroom_bytes),
     }

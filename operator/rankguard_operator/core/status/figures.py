@@ -41,6 +41,11 @@ class Figures:
     rank_headroom: tuple[tuple[int, int], ...] = ()  # (rank, headroom bytes), fresh ranks only
     headroom_target_bytes: int | None = None
     conditions: tuple[tuple[str, str, str], ...] = ()  # (type, status, reason)
+    # status.memoryTrend's fit (core/observe/memory_trend), once it spans an hour of serving:
+    # the tightest rank's headroom slope, and the hours until it reaches minHeadroomBytes at that
+    # slope (None while not falling; 0 once there)
+    headroom_trend_bytes_per_hour: int | None = None
+    headroom_exhaustion_hours: float | None = None
 
     @property
     def min_headroom_bytes(self) -> int | None:
@@ -62,6 +67,9 @@ def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
             rank, headroom = _int(row.get("rank")), _int(row.get("headroomBytes"))
             if rank is not None and headroom is not None:
                 ranks.append((rank, headroom))
+    trend = status.get("memoryTrend")
+    trend = trend if isinstance(trend, Mapping) else {}
+    hours = trend.get("hoursToLine")
     conditions = tuple(
         (str(c.get("type")), str(c.get("status") or "Unknown"), str(c.get("reason") or ""))
         for c in status.get("conditions") or []
@@ -73,6 +81,10 @@ def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
         rank_headroom=tuple(sorted(ranks)),
         headroom_target_bytes=None if spec is None else spec.memory.min_headroom_bytes,
         conditions=conditions,
+        headroom_trend_bytes_per_hour=_int(trend.get("bytesPerHour")),
+        headroom_exhaustion_hours=float(hours)
+        if isinstance(hours, (int, float)) and not isinstance(hours, bool) and hours >= 0
+        else None,
     )
 
 

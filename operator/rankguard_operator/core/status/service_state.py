@@ -14,6 +14,7 @@ from typing import Any
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import LearnedModel
+from rankguard_operator.core.observe.memory_trend import MemoryTrend
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.units import parse_iso
 
@@ -96,6 +97,9 @@ class ServiceState:
     service_applied: bool = False
     observed_generation: int | None = None
     learned_model: LearnedModel | None = None  # status.model: what an agent read from the pod
+    # status.memoryTrend: the tightest rank's headroom while serving (core/observe/memory_trend);
+    # the MemoryCreep condition only, the policy never reads it
+    memory_trend: MemoryTrend | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     def kept_engine(self, key: str) -> tuple[tuple[Mapping[str, Any], ...], int | None, int | None]:
@@ -140,6 +144,7 @@ class ServiceState:
             service_applied=s.get("serviceApplied") is True,
             observed_generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else None,
             learned_model=LearnedModel.from_status(s.get("model")),
+            memory_trend=MemoryTrend.from_status(s.get("memoryTrend")),
             raw=s,
         )
 

@@ -55,7 +55,7 @@ from rankguard_operator.core.effects import (
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import ModelResolution, learned_from_report, model_event, resolve
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
-from rankguard_operator.core.observe import blockers, pod_blockers, pods
+from rankguard_operator.core.observe import blockers, memory_trend, pod_blockers, pods
 from rankguard_operator.core.observe.groups import group_view, live_groups
 from rankguard_operator.core.observe.headroom import aggregate, gpu_totals, learned_gpu_bytes
 from rankguard_operator.core.policy.history import history_from_status
@@ -69,6 +69,7 @@ from rankguard_operator.core.render.group import (
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.status.build import append_history, build_status
+from rankguard_operator.core.status.creep import creep_event
 from rankguard_operator.core.status.degraded import degraded_event, said_before
 from rankguard_operator.core.status.engine import engine_status, engine_view, with_rules_condition
 from rankguard_operator.core.status.patch import merged_status, status_patch
@@ -287,6 +288,15 @@ class _Pass:
         rollout = pods.rollout_state(self.deployment, current_hash or "") if self.deployment else None
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
+        # the tightest rank's headroom over hours, for the MemoryCreep condition only (the policy
+        # never reads it); any vLLM run that ended starts it over
+        trend = memory_trend.track(
+            state.memory_trend,
+            observation,
+            key=memory_trend.serving_key(w.pods, current_hash),
+            now=w.now,
+            restarted=bool(fresh_terms),
+        )
         unscheduled = blockers.unschedulable(
             w.pods,
             state.unschedulable_since,
@@ -429,6 +439,7 @@ class _Pass:
             ready_replicas=ready,
             history=self.history,
             blocker=unscheduled.blocker or stuck.blocker,
+            memory_trend=trend,
         )
         new_status.update(self.updates)
         if self.members is not None:
@@ -466,6 +477,9 @@ class _Pass:
         )
         if said is not None:
             self.effects.append(said)
+        creep = creep_event(state.raw.get("conditions") or [], new_status["conditions"])
+        if creep is not None:
+            self.effects.append(creep)
         new_status.update(
             {
                 "servingFlags": self.current.to_status(),
