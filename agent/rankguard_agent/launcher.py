@@ -5,6 +5,11 @@ child, passes its stdout and stderr through byte for byte while a copy is scanne
 line, forwards signals, and when the child exits writes the termination message and exits
 with the child's code (128 + N when a signal N killed it, as a shell would).
 
+(Over 450 lines because it is one sequence, probe, start, watch and verdict, each step writing
+the termination log its own way: while the engine runs, the verdict a SIGKILL would get; at its
+exit, the real one. What a line means and what a verdict says live beside it, in wire/ and
+verdict.py.)
+
 Bad input never takes the engine down: oversized or non-UTF-8 lines are cut or replaced
 for scanning only, an unwritable stdout or termination log is logged once and ignored.
 
@@ -284,6 +289,9 @@ class Launcher:
         self.observer = Observer()
         self.cut_warned = False
         self.place = SINGLE_NODE
+        # what the termination log holds while the engine runs: (the engine's phase, a cause seen);
+        # nothing is written before either is known (the kubelet's log tail says more then)
+        self.provisional: tuple[str | None, bool] = (None, False)
 
     def _on_cut(self, stream: str, cap: int) -> None:
         if not self.cut_warned:
@@ -293,7 +301,33 @@ class Launcher:
             )
 
     def _scanner(self, stream: str) -> LineScanner:
-        return LineScanner(self.observer.on_line, name=stream, on_cut=self._on_cut)
+        return LineScanner(self._on_line, name=stream, on_cut=self._on_cut)
+
+    def _on_line(self, line: str) -> None:
+        seen = self.observer
+        seen.on_line(line)
+        # Kubernetes (>= 1.28 on cgroup v2) kills the whole container on a host OOM, this launcher
+        # too: whatever the termination log holds then is the message. Keep there the verdict a
+        # SIGKILL now would get (the engine's phase, or the memory cause already seen), rewritten
+        # when either changes; the engine's own exit overwrites it.
+        now = (seen.phases.phase(None), seen.cause is not None)
+        if now != self.provisional:
+            self.provisional = now
+            write_termination_log(self.cfg.termination_log, self._message(-signal.SIGKILL))
+
+    def _message(self, returncode: int) -> TerminationMessage:
+        seen = self.observer
+        return termination_message(
+            returncode,
+            seen.cause,
+            seen.last_kv,
+            self.runtime.n_ranks() if self.runtime is not None else 1,
+            last_error=seen.last_error,
+            place=self.place,
+            cause_rank=seen.cause_rank,
+            # a CUDA OOM's rank's phase; else where the engine was (for a SIGKILL, the host OOM killer)
+            phase=seen.cause_phase if seen.cause is not None else seen.phases.phase(None),
+        )
 
     def _on_signal(self, sig: int) -> None:
         child = self.child
@@ -382,11 +416,11 @@ class Launcher:
         watch = ModelWatch(cmd, self.env, publish, lambda: MODEL_LOADING in state.kv_lines)
         watch.start()
         try:
-            return await self._watch_child(child, runtime)
+            return await self._watch_child(child)
         finally:
             watch.stop(timeout=0.5)  # a read in progress must not hold up the exit
 
-    async def _watch_child(self, child: asyncio.subprocess.Process, runtime: AgentRuntime) -> int:
+    async def _watch_child(self, child: asyncio.subprocess.Process) -> int:
         assert child.stdout is not None and child.stderr is not None
         pumps = [
             asyncio.ensure_future(pump(child.stdout, Output(1, "stdout"), self._scanner("stdout"))),
@@ -400,16 +434,7 @@ class Launcher:
         if stuck:
             log.warning("the engine's output pipes stayed open after it exited; stopped reading them")
             await asyncio.gather(*stuck, return_exceptions=True)
-        message = termination_message(
-            returncode,
-            self.observer.cause,
-            self.observer.last_kv,
-            runtime.n_ranks(),
-            last_error=self.observer.last_error,
-            place=self.place,
-            cause_rank=self.observer.cause_rank,
-            phase=self.observer.cause_phase,
-        )
+        message = self._message(returncode)
         log.info("engine exited with %d: %s", message.exit_code, message.reason)
         write_termination_log(self.cfg.termination_log, message)
         return message.exit_code

@@ -54,13 +54,17 @@ def termination_message(
     """The message for an engine that ended with `returncode`. `place`: the pod's place in a
     multi-node group (None or one node: `rank` is the device PyTorch named, as always);
     `cause_rank`: in a group, the global rank the cause's own line named (None: unknown);
-    `phase`: the engine's phase the OOM's rank was in (wire/phases.py), carried with a CUDA OOM."""
+    `phase`: the engine's phase the OOM's rank was in (wire/phases.py), carried with a CUDA OOM,
+    and with a SIGKILL (the host's OOM killer: the kubelet then says OOMKilled; the phase says
+    whether it struck while the weights were staged or while serving)."""
     if isinstance(cause, CudaOom) and place is not None and place.multi_node:
         oom_rank = cause_rank
     else:
         oom_rank = local_gpu_rank(cause.gpu_index if isinstance(cause, CudaOom) else None, n_ranks)
     message = _message(returncode, cause, last_kv, oom_rank, launch_error=launch_error, last_error=last_error)
-    if message.reason == CUDA_OOM and phase is not None:
+    if phase is not None and (
+        message.reason == CUDA_OOM or (message.reason == SIGNALED and message.signal == signal.SIGKILL)
+    ):
         message = dataclasses.replace(message, phase=phase)
     return message if place is None else with_place(message, place)
 

@@ -140,6 +140,10 @@ def test_oomkilled_raises_the_memory_limit_until_running(
     svc = wait_for("the memory limit raised and Ready", lambda: _ready(api, e2e_namespace, "hostmem"), 240)
     raises = [r for r in svc["status"]["remediations"] if r["trigger"] == "OOMKilled"]
     assert raises, svc["status"].get("remediations")
+    # the whole container was killed, the launcher too; what it had left in the termination log
+    # says where the engine was: staging the weights
+    assert raises[0].get("phase") == "weights", raises[0]
+    assert "OOMKilled while loading the weights" in raises[0]["message"], raises[0]
     dep = client.AppsV1Api(api).read_namespaced_deployment("hostmem", e2e_namespace)
     limit = dep.spec.template.spec.containers[0].resources.limits["memory"]
     assert limit != "16Gi"

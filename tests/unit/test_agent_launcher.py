@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from launched import AGENT_ROOT, agent_port, launcher_cmd, message, py, report_when, run, start, stop
+from test_agent_phases import marker
 
 from rankguard_agent.launcher import Observer
 from rankguard_agent.streams import LineScanner
@@ -25,7 +26,9 @@ from rankguard_agent.wire.termination import (
     ENGINE_ERROR,
     KV_CACHE_TOO_SMALL,
     MAX_TERMINATION_BYTES,
+    PHASE_WEIGHTS,
     SIGNALED,
+    TerminationMessage,
 )
 
 GIB = 1 << 30
@@ -275,6 +278,50 @@ async def test_report_during_the_run_shows_ranks_and_kv_lines(
     finally:
         await stop(proc)
     assert message(tlog).reason == COMPLETED
+
+
+async def test_while_the_engine_runs_the_log_holds_what_a_sigkill_would_leave(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Kubernetes kills the whole container on a host OOM (cgroup v2, >= 1.28), the launcher
+    too: the termination log then is whatever it held. It holds the engine's phase as soon as a
+    marker says it, then the memory cause once one is seen, and the real verdict at the exit."""
+    tlog, seen_oom, done = tmp_path / "tl", tmp_path / "oom", tmp_path / "done"
+    loading = marker("model_load_start", "EngineCore_DP0 pid=9")  # vLLM's own line, from the snapshot
+    child = py(
+        f"""
+        import os, sys, time
+        print({loading!r}, flush=True)
+        while not os.path.exists({str(seen_oom)!r}):
+            time.sleep(0.05)
+        sys.stderr.write({OOM_LINE!r} + "\\n")
+        sys.stderr.flush()
+        while not os.path.exists({str(done)!r}):
+            time.sleep(0.05)
+        sys.exit(1)
+        """
+    )
+
+    async def log_says(reason: str) -> TerminationMessage:
+        for _ in range(600):  # bounded wait on the condition asserted below (30 s)
+            if tlog.exists() and tlog.read_text() and message(tlog).reason == reason:
+                break
+            await asyncio.sleep(0.05)
+        return message(tlog)
+
+    proc = await start(launcher_cmd(tlog, child), sim_env)
+    try:
+        m = await log_says(SIGNALED)
+        assert (m.signal, m.exit_code, m.phase) == (signal.SIGKILL, 137, PHASE_WEIGHTS)
+        seen_oom.touch()
+        m = await log_says(CUDA_OOM)
+        assert (m.rank, m.exit_code, m.phase) == (1, 137, PHASE_WEIGHTS)
+        done.touch()
+        assert await asyncio.wait_for(proc.wait(), 30) == 1
+    finally:
+        await stop(proc)
+    m = message(tlog)
+    assert (m.reason, m.exit_code, m.phase, m.signal) == (CUDA_OOM, 1, PHASE_WEIGHTS, None)
 
 
 # -- pure parts ----------------------------------------------------------------------------

@@ -261,8 +261,20 @@ def test_a_phase_outside_the_contract() -> None:
         text = base.to_json().replace('"phase":null', f'"phase":{bad}')
         with pytest.raises(TerminationError):
             parse_termination_message(text)
-    # a phase goes with a CUDA OOM only
+    # a phase goes with a CUDA OOM, or a SIGKILL (below), only
     assert termination_message(0, None, None, 1, phase=PHASE_PROFILE).phase is None
+
+
+def test_a_sigkilled_engine_says_where_it_was() -> None:
+    """The host's OOM killer sends SIGKILL (the kubelet then says OOMKilled): the message carries
+    the engine's phase then, so the operator can say whether it struck while the weights were
+    staged or while serving. A SIGTERM (a roll) carries none."""
+    seen = _observe([marker("model_load_start", CORE)])
+    assert seen.phases.phase(None) == PHASE_WEIGHTS
+    killed = termination_message(-9, None, None, 1, phase=seen.phases.phase(None))
+    assert (killed.reason, killed.signal, killed.phase) == ("Signaled", 9, PHASE_WEIGHTS)
+    assert parse_termination_message(killed.to_json()).phase == PHASE_WEIGHTS
+    assert termination_message(-15, None, None, 1, phase=PHASE_WEIGHTS).phase is None
 
 
 # The fake vLLM: its phase names (sim/rankguard_sim/physics) and what the agent must read them as.

@@ -133,7 +133,11 @@ def test_oom_killed_wins_over_the_launchers_message() -> None:
     (t,) = terminations(pod(last=terminated(signaled, reason="OOMKilled", exit_code=137)))
     assert (t.kind, t.reason, t.exit_code) == ("OOMKilled", "OOMKilled", 137)
     (t2,) = terminations(pod(last=terminated(None, reason="OOMKilled", exit_code=137)))
-    assert t2.kind == "OOMKilled" and "OOMKilled" in t2.message
+    assert t2.kind == "OOMKilled" and "OOMKilled" in t2.message and t2.phase is None
+    # the launcher's phase (where the engine was when the kernel killed it) is kept
+    staged = TerminationMessage(reason="Signaled", exit_code=137, signal=9, phase="weights").to_json()
+    (t3,) = terminations(pod(last=terminated(staged, reason="OOMKilled", exit_code=137)))
+    assert (t3.kind, t3.phase) == ("OOMKilled", "weights")
 
 
 KIND_IDS = ["log-oom", "log-error", "sigterm", "completed", "json-engine", "json-kv", "json-signal"]

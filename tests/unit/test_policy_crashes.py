@@ -267,6 +267,16 @@ def test_oom_killed_raises_the_limit_like_the_vpa() -> None:
     assert "from 64Gi" not in d.message and "limit 64Gi; raising it to 76.8Gi" in d.message
 
 
+def test_oom_killed_says_the_phase_and_keeps_it_but_moves_only_the_memory_limit() -> None:
+    t = replace(term("OOMKilled", rank=None, requested=None, free=None, exit_code=137), phase="weights")
+    d = decide(inp(new_terminations=[t]))
+    assert d.action == "raise-memory-limit" and d.phase == "weights"
+    assert "was OOMKilled while loading the weights at the container memory limit 64Gi" in d.message
+    unknown = decide(inp(new_terminations=[term("OOMKilled", rank=None, requested=None, free=None)]))
+    assert unknown.phase is None and "was OOMKilled at the container memory limit" in unknown.message
+    assert d.flags == unknown.flags
+
+
 def test_oom_killed_small_limit_gets_100_mib() -> None:
     s = spec_with(resources={"limits": {"memory": "256Mi"}})
     d = decide(inp(spec=s, new_terminations=[term("OOMKilled", flags=None)]))

@@ -27,7 +27,7 @@ from rankguard_operator.core.policy.decision import (
     rank_text,
 )
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
-from rankguard_operator.core.policy.oom_levers import lever_decision
+from rankguard_operator.core.policy.oom_levers import PHASE_TEXT, lever_decision
 from rankguard_operator.core.policy.startup_refusals import startup_refusal
 from rankguard_operator.core.policy.tunables import (
     KNOBS,
@@ -176,6 +176,9 @@ def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | 
     assert cur is not None
     keys = [t.key for t in ks]
     t = ks[0]
+    # where the engine was when the kernel killed it (the agent's phase; None: unknown): said, and
+    # kept in the history, but the lever is the memory limit whatever the phase
+    killed = f"pod {t.pod_name} was OOMKilled" + (f" {PHASE_TEXT[t.phase]}" if t.phase in PHASE_TEXT else "")
     old = cur.memory_limit_bytes if cur.memory_limit_bytes is not None else spec.resources.memory_limit_bytes
     if old is None:
         return make_decision(
@@ -185,11 +188,12 @@ def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | 
             trigger=T_OOM_KILLED,
             reason="NoMemoryLimit",
             message=(
-                f"pod {t.pod_name} was OOMKilled without a container memory limit, so the node itself ran "
+                f"{killed} without a container memory limit, so the node itself ran "
                 "out of memory; set spec.resources.requests.memory and spec.resources.limits.memory so the "
                 "scheduler reserves enough host memory"
             ),
             handled=keys,
+            phase=t.phase,
         )
     ratio = spec.remediation.host_memory_bump_ratio
     bumped = max(old + VPA_MIN_BUMP_BYTES, math.ceil(old * ratio))
@@ -209,14 +213,14 @@ def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | 
                 trigger=T_OOM_KILLED,
                 reason="MemoryLimitAtCap",
                 message=(
-                    f"pod {t.pod_name} was OOMKilled at the container memory limit "
-                    f"{format_bytes(old)}, which is "
+                    f"{killed} at the container memory limit {format_bytes(old)}, which is "
                     f"already at the cap {format_bytes(cap)} ({cap_name}); raise "
                     f"spec.remediation.maxHostMemory (on "
                     "nodes with more memory), or lower host-memory use (spec.engine.maxNumSeqs, fewer "
                     "CPU-side caches)"
                 ),
                 handled=keys,
+                phase=t.phase,
             )
         if new > cap:
             new, cap_note = cap, f", capped at {format_bytes(cap)} ({cap_name})"
@@ -227,11 +231,12 @@ def rule_oom_killed(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | 
         trigger=T_OOM_KILLED,
         reason=STATUS_ACTIONS["raise-memory-limit"],
         message=(
-            f"pod {t.pod_name} was OOMKilled at the container memory limit {format_bytes(old)}; "
+            f"{killed} at the container memory limit {format_bytes(old)}; "
             f"raising it to "
             f"{format_bytes(new)} (max(+100Mi, ×{ratio:g}), as the VPA does{cap_note})"
         ),
         handled=keys,
+        phase=t.phase,
     )
 
 
