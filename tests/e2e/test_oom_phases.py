@@ -22,14 +22,17 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_agent.wire import termination as tm
+from rankguard_operator.core.engine.serving_flags import LEVER_KEYS as FLAG_KEYS
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.oom_levers import ACTIONS
 from rankguard_operator.core.policy.tunables import (
     LEVER_BATCHED,
     LEVER_CAPTURE,
     LEVER_EAGER,
+    LEVER_FIELDS,
     LEVER_KV,
     LEVER_SEQS,
+    T_CUDA_OOM,
 )
 from rankguard_sim.world import Node, OperatorProcess, create_namespace, start_node, wait_node_schedulable
 
@@ -38,15 +41,9 @@ from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, get_llms
 pytestmark = pytest.mark.e2e
 
 GiB = 2**30
-# status.servingFlags / fromFlags / toFlags key of each lever (the CRD's names)
-LEVER_KEYS = {
-    LEVER_KV: "kvCacheMemoryBytes",
-    LEVER_BATCHED: "maxNumBatchedTokens",
-    LEVER_SEQS: "maxNumSeqs",
-    LEVER_CAPTURE: "maxCudaGraphCaptureSize",
-    LEVER_EAGER: "enforceEager",
-}
-TRIGGER = "CUDAOutOfMemory"
+# status.servingFlags / fromFlags / toFlags key of each lever (the CRD's names), as the operator maps them
+LEVER_KEYS = {lever: FLAG_KEYS.get(field, "kvCacheMemoryBytes") for lever, field in LEVER_FIELDS.items()}
+TRIGGER = T_CUDA_OOM
 
 
 @dataclass(frozen=True)

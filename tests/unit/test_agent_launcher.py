@@ -28,6 +28,7 @@ from rankguard_agent.wire.termination import (
     MAX_TERMINATION_BYTES,
     PHASE_WEIGHTS,
     SIGNALED,
+    TerminationError,
     TerminationMessage,
 )
 
@@ -291,22 +292,30 @@ async def test_while_the_engine_runs_the_log_holds_what_a_sigkill_would_leave(
     child = py(
         f"""
         import os, sys, time
+        def told(path):  # the test's go-ahead, or exit 3 after 60 s rather than hang
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    sys.exit(3)
+                time.sleep(0.05)
         print({loading!r}, flush=True)
-        while not os.path.exists({str(seen_oom)!r}):
-            time.sleep(0.05)
+        told({str(seen_oom)!r})
         sys.stderr.write({OOM_LINE!r} + "\\n")
         sys.stderr.flush()
-        while not os.path.exists({str(done)!r}):
-            time.sleep(0.05)
+        told({str(done)!r})
         sys.exit(1)
         """
     )
 
-    async def log_says(reason: str) -> TerminationMessage:
-        for _ in range(600):  # bounded wait on the condition asserted below (30 s)
-            if tlog.exists() and tlog.read_text() and message(tlog).reason == reason:
-                break
-            await asyncio.sleep(0.05)
+    async def log_says(reason: str, timeout: float = 30) -> TerminationMessage:
+        """The termination log once it holds a `reason` message, polled until `timeout` seconds
+        have passed (then what it holds, for the assertions to say what was missing)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            with contextlib.suppress(OSError, TerminationError):  # not written yet, or mid-write
+                if message(tlog).reason == reason:
+                    break
+            await asyncio.sleep(0.05)  # the poll interval of a bounded wait, not a synchronisation
         return message(tlog)
 
     proc = await start(launcher_cmd(tlog, child), sim_env)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from rankguard_operator.core.units import QuantityError, format_bytes, format_quantity, parse_bytes
 
@@ -28,6 +28,9 @@ LEVER_KEYS: dict[str, str] = {
     "enforce_eager": "enforceEager",
 }
 LEVER_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_cudagraph_capture_size")
+
+
+T = TypeVar("T", int, bool)
 
 
 class FlagsError(ValueError):
@@ -87,6 +90,11 @@ class ServingFlags:
 
     def with_memory_limit(self, memory_limit_bytes: int | None) -> ServingFlags:
         return replace(self, memory_limit_bytes=memory_limit_bytes)
+
+    def or_spec(self, field: str, spec_value: T) -> T:
+        """A lever's value in effect: the one rankguard set, else the spec's (`spec_value`)."""
+        value = getattr(self, field)
+        return spec_value if value is None else value
 
     def levers(self) -> tuple[int | bool | None, ...]:
         """The OOM levers, in LEVER_KEYS' order (None: as the spec says)."""

@@ -17,6 +17,7 @@ Pure: no I/O, no clock (`now` is an argument).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,13 +86,18 @@ class MemoryTrend:
             "bytesPerHour": None,
             "hoursToLine": None,
         }
-        f = fit(self)
+        f = self.fitted
         if f is not None:
             doc["bytesPerHour"] = round(f.bytes_per_hour)
             if line_bytes is not None:
                 hours = f.hours_to(line_bytes)
                 doc["hoursToLine"] = None if hours is None else round(hours, 1)
         return doc
+
+    @functools.cached_property
+    def fitted(self) -> TrendFit | None:
+        """`fit(self)`, once: a pass writes the slope into status and judges the condition from it."""
+        return fit(self)
 
     @classmethod
     def from_status(cls, doc: Any) -> MemoryTrend | None:

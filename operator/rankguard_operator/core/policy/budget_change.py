@@ -11,7 +11,12 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import Termination
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision, rank_text
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
-from rankguard_operator.core.policy.tunables import KNOBS, T_CUDA_OOM
+from rankguard_operator.core.policy.tunables import (
+    KNOBS,
+    T_CUDA_OOM,
+    UNKNOWN_DEFICIT_FRACTION,
+    UNKNOWN_DEFICIT_MIN_BYTES,
+)
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
@@ -38,6 +43,29 @@ def effective_budget(inp: PolicyInput, t: Termination | None, rank: int | None) 
     return None
 
 
+def clamped_target(inp: PolicyInput, action: Action, target: int) -> int:
+    """`target` as `budget_change` would set it before the floor: whole blocks, a shrink always
+    by at least one block, never above spec.remediation.maxKVCacheBytes."""
+    cur = inp.current
+    assert cur is not None
+    unit = block_unit(inp.plan)
+    target = round_down(target, unit)
+    if action == "shrink" and cur.kv_cache_memory_bytes is not None:
+        target = min(target, cur.kv_cache_memory_bytes - unit)  # a shrink always shrinks
+    ceiling = inp.spec.remediation.max_kv_cache_bytes
+    if ceiling is not None:
+        target = min(target, ceiling)
+    return target
+
+
+def oom_deficit(t: Termination, base: int) -> tuple[int, bool]:
+    """(bytes a CUDA OOM was short by, assumed): the message's own figures, else an assumed
+    max(UNKNOWN_DEFICIT_MIN_BYTES, UNKNOWN_DEFICIT_FRACTION of the budget `base`)."""
+    if t.deficit_bytes is not None:
+        return t.deficit_bytes, False
+    return max(UNKNOWN_DEFICIT_MIN_BYTES, int(base * UNKNOWN_DEFICIT_FRACTION)), True
+
+
 def budget_change(
     inp: PolicyInput,
     action: Action,
@@ -54,14 +82,8 @@ def budget_change(
     cur = inp.current
     assert cur is not None
     spec, plan = inp.spec, inp.plan
-    unit = block_unit(plan)
     floor = kv_floor(spec, plan)
-    target = round_down(target, unit)
-    if action == "shrink" and cur.kv_cache_memory_bytes is not None:
-        target = min(target, cur.kv_cache_memory_bytes - unit)  # a shrink always shrinks
-    ceiling = spec.remediation.max_kv_cache_bytes
-    if ceiling is not None:
-        target = min(target, ceiling)
+    target = clamped_target(inp, action, target)
     if target < floor:
         floor_why = floor_reason(spec, plan, floor)
         if cur.kv_cache_memory_bytes is None or cur.kv_cache_memory_bytes > floor:

@@ -18,7 +18,12 @@ from rankguard_operator.core.observe.pods import (
     OOM_KILLED,
     Termination,
 )
-from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
+from rankguard_operator.core.policy.budget_change import (
+    budget_change,
+    effective_budget,
+    oom_deficit,
+    utilization_base,
+)
 from rankguard_operator.core.policy.decision import (
     Decision,
     PolicyInput,
@@ -37,8 +42,6 @@ from rankguard_operator.core.policy.tunables import (
     T_KV_TOO_SMALL,
     T_OOM_KILLED,
     T_ROLLOUT_FAILED,
-    UNKNOWN_DEFICIT_FRACTION,
-    UNKNOWN_DEFICIT_MIN_BYTES,
     VPA_MIN_BUMP_BYTES,
 )
 from rankguard_operator.core.units import MiB, format_bytes
@@ -97,9 +100,8 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
             handled=keys,
         )
     base, base_text = eff
-    deficit = worst.deficit_bytes
-    if deficit is None:
-        deficit = max(UNKNOWN_DEFICIT_MIN_BYTES, int(base * UNKNOWN_DEFICIT_FRACTION))
+    deficit, assumed = oom_deficit(worst, base)
+    if assumed:
         how = (
             f" (the message gave no figures: {format_bytes(deficit)} assumed, plus the "
             f"{format_bytes(margin)} safety margin)"

@@ -33,18 +33,8 @@ STATUS_ACTIONS: dict[str, str] = {
     "lower-capture-size": "LowerCudaGraphCaptureSize",
     "enforce-eager": "EnforceEager",
 }
-_FROM_STATUS_ACTIONS = {
-    "LowerMaxNumBatchedTokens": "lower-batched-tokens",
-    "LowerMaxNumSeqs": "lower-num-seqs",
-    "LowerCudaGraphCaptureSize": "lower-capture-size",
-    "EnforceEager": "enforce-eager",
-    "ShrinkKVCache": "shrink",
-    "GrowKVCache": "grow",
-    "Replan": "replan",
-    "BumpMemoryLimit": "raise-memory-limit",
-    "Rollback": "rollback",
-    "Initial": "initial",
-}
+# ... and back: one action per name ("degrade" writes its change as the shrink it is)
+_FROM_STATUS_ACTIONS = {name: action for action, name in STATUS_ACTIONS.items() if action != "degrade"}
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from rankguard_agent.wire import termination as tm
-from rankguard_operator.core.budget.bounds import block_unit, kv_floor, round_down
+from rankguard_operator.core.budget.bounds import kv_floor
 from rankguard_operator.core.budget.fits import weights_fit
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import Termination
-from rankguard_operator.core.policy.budget_change import budget_change, effective_budget
+from rankguard_operator.core.policy.budget_change import (
+    budget_change,
+    clamped_target,
+    effective_budget,
+    oom_deficit,
+)
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput, make_decision
 from rankguard_operator.core.policy.history import STATUS_ACTIONS, Remediation
 from rankguard_operator.core.policy.tunables import (
@@ -49,8 +55,6 @@ from rankguard_operator.core.policy.tunables import (
     LEVER_KV,
     LEVER_SEQS,
     T_CUDA_OOM,
-    UNKNOWN_DEFICIT_FRACTION,
-    UNKNOWN_DEFICIT_MIN_BYTES,
 )
 from rankguard_operator.core.units import format_bytes
 
@@ -152,31 +156,27 @@ def capture_in_effect(inp: PolicyInput) -> tuple[int, str]:
 
 
 def eager_in_effect(inp: PolicyInput) -> bool:
-    cur = inp.current
-    assert cur is not None
-    return cur.enforce_eager if cur.enforce_eager is not None else inp.spec.engine.enforce_eager
+    assert inp.current is not None
+    return inp.current.or_spec("enforce_eager", inp.spec.engine.enforce_eager)
 
 
-def _halved(old: int, floor: int) -> int | None:
+def _halve(inp: PolicyInput, lever: str, in_effect: tuple[int, str], floor: int, why: str) -> Move | str:
+    """`lever` halved from the value in effect, never below `floor` (`why` names it); else why not."""
+    assert inp.current is not None
+    old, source = in_effect
     new = max(old // 2, floor)
-    return new if new < old else None
+    if new >= old:
+        return f"{lever} {old} is at its floor {floor} ({why})"
+    moved: dict[str, Any] = {LEVER_FIELDS[lever]: new}
+    return Move(replace(inp.current, **moved), old, new, source)
 
 
 def move_seqs(inp: PolicyInput) -> Move | str:
-    cur = inp.current
-    assert cur is not None
-    old, source = seqs_in_effect(inp)
     floor = inp.spec.remediation.levers.min_num_seqs
-    new = _halved(old, floor)
-    if new is None:
-        return f"max-num-seqs {old} is at its floor {floor} (spec.remediation.levers.minNumSeqs)"
-    return Move(replace(cur, max_num_seqs=new), old, new, source)
+    return _halve(inp, LEVER_SEQS, seqs_in_effect(inp), floor, "spec.remediation.levers.minNumSeqs")
 
 
 def move_batched(inp: PolicyInput) -> Move | str:
-    cur = inp.current
-    assert cur is not None
-    old, source = batched_in_effect(inp)
     seqs, _ = seqs_in_effect(inp)
     floor, why = (
         inp.spec.remediation.levers.min_num_batched_tokens,
@@ -190,29 +190,19 @@ def move_batched(inp: PolicyInput) -> Move | str:
             return "max-num-batched-tokens stays: chunked prefill is off and the max model length is unknown"
         if mml > floor:
             floor, why = mml, "max-model-len: chunked prefill is off (spec.engine.extraArgs)"
-    new = _halved(old, floor)
-    if new is None:
-        return f"max-num-batched-tokens {old} is at its floor {floor} ({why})"
-    return Move(replace(cur, max_num_batched_tokens=new), old, new, source)
+    return _halve(inp, LEVER_BATCHED, batched_in_effect(inp), floor, why)
 
 
 def move_capture(inp: PolicyInput) -> Move | str:
-    cur = inp.current
-    assert cur is not None
     if eager_in_effect(inp):
         return "max-cudagraph-capture-size stays: the engine runs eager and captures no CUDA graphs"
     user = inp.spec.engine.capture_sizes_flag
     if user is not None:
         return f"max-cudagraph-capture-size stays: spec.engine.extraArgs set the capture sizes ({user})"
-    old, source = capture_in_effect(inp)
     floor = inp.spec.remediation.levers.min_cudagraph_capture_size
-    new = _halved(old, floor)
-    if new is None:
-        return (
-            f"max-cudagraph-capture-size {old} is at its floor {floor} "
-            "(spec.remediation.levers.minCudaGraphCaptureSize)"
-        )
-    return Move(replace(cur, max_cudagraph_capture_size=new), old, new, source)
+    return _halve(
+        inp, LEVER_CAPTURE, capture_in_effect(inp), floor, "spec.remediation.levers.minCudaGraphCaptureSize"
+    )
 
 
 def move_eager(inp: PolicyInput) -> Move | str:
@@ -247,17 +237,10 @@ def kv_move(
         return "rankguard cannot tell the KV budget in effect"
     base, base_text = eff
     margin = inp.spec.memory.safety_margin_bytes
-    deficit = worst.deficit_bytes
-    if deficit is None:
-        deficit = max(UNKNOWN_DEFICIT_MIN_BYTES, int(base * UNKNOWN_DEFICIT_FRACTION))
+    deficit, _ = oom_deficit(worst, base)
     # budget_change's own clamp, to know before asking it whether the floor holds
-    unit = block_unit(inp.plan)
     floor = kv_floor(inp.spec, inp.plan)
-    target = round_down(base - deficit - margin, unit)
-    if cur.kv_cache_memory_bytes is not None:
-        target = min(target, cur.kv_cache_memory_bytes - unit)
-    if inp.spec.remediation.max_kv_cache_bytes is not None:
-        target = min(target, inp.spec.remediation.max_kv_cache_bytes)
+    target = clamped_target(inp, "shrink", base - deficit - margin)
     if target < floor:
         drop = format_bytes(max(target, 0))
         return f"the KV budget would drop to {drop}, below its floor {format_bytes(floor)}"

@@ -179,11 +179,9 @@ def vllm_args(
     elif flags.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", _util_text(flags.gpu_memory_utilization)]
     # the OOM levers (core/policy/oom_levers.py): the flag's value when the policy moved it
-    seqs = flags.max_num_seqs if flags.max_num_seqs is not None else e.max_num_seqs
-    batched = (
-        flags.max_num_batched_tokens if flags.max_num_batched_tokens is not None else e.max_num_batched_tokens
-    )
-    eager = flags.enforce_eager if flags.enforce_eager is not None else e.enforce_eager
+    seqs = flags.or_spec("max_num_seqs", e.max_num_seqs)
+    batched = flags.or_spec("max_num_batched_tokens", e.max_num_batched_tokens)
+    eager = flags.or_spec("enforce_eager", e.enforce_eager)
     args += ["--max-num-seqs", str(seqs)]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]

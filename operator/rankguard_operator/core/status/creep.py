@@ -18,7 +18,6 @@ from rankguard_operator.core.observe.memory_trend import (
     CREEP_HORIZON_HOURS,
     MemoryTrend,
     creeping,
-    fit,
 )
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
@@ -44,7 +43,7 @@ def memory_creep_condition(
             "NotServing",
             "no headroom figures from the serving pods since they started: the trend starts with the first",
         )
-    f = fit(trend)
+    f = trend.fitted
     if f is None:
         return (
             "False",
