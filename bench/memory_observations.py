@@ -129,6 +129,12 @@ def batch_defaults(obs: dict[str, Any], total_gib: float) -> tuple[int, int]:
     return seqs, max(seqs, tokens)
 
 
+def _gpu_per_pod(obs: dict[str, Any]) -> bool:
+    """The log's notes say each GPU was its own pod on its own node (a Ray group across nodes)."""
+    notes = str(obs.get("notes") or "")
+    return "one GPU per pod" in notes or "single-GPU pods on different nodes" in notes
+
+
 def _v0(obs: dict[str, Any]) -> bool:
     return str(obs["id"]).endswith("-v0") or "V0" in str(obs.get("notes") or "")
 
@@ -150,6 +156,7 @@ def plan_for(obs: dict[str, Any], shape: ModelShape, total_gib: float) -> Plan:
             block_size=obs.get("block_size") or 16,
             enforce_eager=bool(obs.get("enforce_eager")),
             quantization="fp8" if obs.get("quantization") == "fp8" and shape.quant is None else None,
+            pods=int(obs["tp"]) * int(obs["pp"]) if _gpu_per_pod(obs) else 1,
         )
     )
 
@@ -183,9 +190,16 @@ def observe(obs: dict[str, Any]) -> Row:
     budget = fits = None
     util = obs.get("gpu_memory_utilization") or VLLM_DEFAULT_UTILIZATION
     if avail is not None and _total_gib(obs) is not None and not first:
-        non_kv = max(r.runtime_non_kv_bytes for r in plan.ranks)
+        graphs = obs.get("cuda_graph_gib")
+        # Without a captured pool in the log, both figures are before capture (vLLM before 0.21
+        # never took graphs out of the KV cache): compare without the planned pool.
+        non_kv = max(r.runtime_non_kv_bytes - (0 if graphs else r.cudagraph_bytes) for r in plan.ranks)
+        # Engines that printed their non-torch memory counted all of it, the CUDA context too,
+        # which vLLM 0.33 takes before its snapshot: subtract the log's own figure, as a probe's
+        # measurement replaces the context prior.
+        non_kv += int((obs.get("non_torch_gib") or 0.0) * GiB)
         budget = (util * total * GiB - non_kv) / GiB
-        fits = avail - (obs.get("cuda_graph_gib") or 0.0)
+        fits = avail - (graphs or 0.0)
     return Row(
         **{
             **base.__dict__,

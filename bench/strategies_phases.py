@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rankguard_agent.wire.recognisers import AVAILABLE_KV, KVObservation, recognise
 from rankguard_agent.wire.termination import CUDA_OOM
 from rankguard_operator.core.budget.bounds import (
     block_unit,
@@ -132,8 +133,9 @@ def kv_only_next(
     max(256 MiB, 5 % of the budget), the operator's UNKNOWN_DEFICIT_*) plus the spec's safety
     margin, in whole blocks, always by at least one block, never below the KV floor (one request
     of max-model-len, spec.remediation.minKVCacheBytes). Under a utilisation the budget cut is the
-    operator's estimate of what that utilisation leaves for KV (the termination carries no KV
-    bytes: the agent's last KV line is the engine core's token count). A cut below the floor sets
+    KV cache vLLM reported in that run (the termination's "Available KV cache memory", when the
+    crash came after vLLM sized it), else the operator's estimate of what that utilisation leaves
+    for KV. A cut below the floor sets
     the floor; an OOM at the floor stops the rule (the old operator said Degraded OOMAtFloor).
     Any other failure changes nothing. The other flags never change; the utilisation stays next
     to the budget, where vLLM reads it only for its start-up check."""
@@ -145,8 +147,11 @@ def kv_only_next(
     unit, floor = block_unit(plan), kv_floor(spec, plan)
     ns = parse_args(argv)
     current: int | None = ns.kv_cache_memory_bytes
+    reported = recognise(message.last_kv_line or "")
     if current is not None:
         base = current
+    elif isinstance(reported, KVObservation) and reported.kind == AVAILABLE_KV:
+        base = int(reported.value)
     elif plan is not None:
         base = utilization_kv_bytes(plan, ns.gpu_memory_utilization, message.rank)
     else:

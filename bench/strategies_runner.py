@@ -50,7 +50,8 @@ from strategies_world import (
 VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM's --gpu-memory-utilization default (reference/vllm-memory-facts.md)
 HUMAN_STEP = 0.05  # "the usual human fix (drop it by 0.05)" (DESIGN §1)
 MAX_RUNS = 20  # runs per strategy before it is called "never stable"
-TARGET_SHARE = 0.97  # rankguard within 3 % of the true maximum (issue 6)
+TARGET_SHARE = 0.98  # rankguard within 2 % of the true maximum once converged (issue 28; 3 % in issue 6)
+MAX_ROLLS = 2  # rolls after the first start to get there (issue 28)
 
 # Simulated time. Only the policy's guard rails read it (cooldown, hourly limit, how long low
 # headroom lasted), so the figures are nominal: a 70B model takes minutes to load on real
@@ -84,6 +85,11 @@ class StrategyResult:
     argvs: tuple[tuple[str, ...], ...] = ()  # every run's command line, in order (rankguard's)
     degraded: str | None = None  # rankguard stopped rolling after a crash: the Degraded reason
 
+    @property
+    def rolls(self) -> int:
+        """Engine starts after the first: each is a roll of the Deployment (or a restart)."""
+        return max(0, self.runs - 1)
+
 
 @dataclass(frozen=True)
 class ScenarioComparison:
@@ -110,10 +116,15 @@ class ScenarioComparison:
 
     @property
     def meets_target(self) -> bool:
-        """Zero crashes after the first, and within 3 % of (never above) the true maximum."""
+        """Zero crashes after the first, at most MAX_ROLLS rolls, and within 2 % of (never
+        above) the true maximum."""
         rg = self.rankguard
         return (
-            rg.stable and rg.crashes <= 1 and rg.capacity is not None and TARGET_SHARE <= rg.capacity <= 1.0
+            rg.stable
+            and rg.crashes <= 1
+            and rg.rolls <= MAX_ROLLS
+            and rg.capacity is not None
+            and TARGET_SHARE <= rg.capacity <= 1.0
         )
 
 

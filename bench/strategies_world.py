@@ -42,9 +42,10 @@ from rankguard_sim.fake_vllm.args import engine_config_from_argv
 from rankguard_sim.fake_vllm.console import Console, failure_lines, worker_name
 from rankguard_sim.physics.engine_config import EngineConfig
 from rankguard_sim.physics.engine_failures import EngineFailure
-from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger
+from rankguard_sim.physics.engine_memory import EngineMemoryModel, KVPlan, PureLedger
 from rankguard_sim.physics.engine_outcome import Outcome, outcome_for_config
 from rankguard_sim.physics.scenario_data import Scenario
+from rankguard_sim.vllm_snapshot import format_gib, message, where
 
 # The scenarios whose failure is GPU memory. host-oomkilled fails on HOST memory (the
 # container's cgroup limit); its GPU never runs out at any of these utilisations, so "OOM
@@ -122,18 +123,29 @@ class _ReplayConsole(Console):
         return "01-01 00:00:00"
 
 
-def printed_failure(scenario: Scenario, failure: EngineFailure, *, at_startup: bool) -> tuple[str, ...]:
+def printed_failure(
+    scenario: Scenario, failure: EngineFailure, *, at_startup: bool, plan: KVPlan | None = None
+) -> tuple[str, ...]:
     """What the fake vLLM prints when its engine fails (fake_vllm/main.py `report_failure`, one
-    node): the failing worker's traceback under that worker's log prefix, then the engine core's
-    end. The phase markers the fake prints before (wire/phases.py MARKERS) are not replayed: the
-    traceback's frames name the phase, and the agent lets them win over any marker."""
+    node): each worker's "Available KV cache memory" when the failure came after vLLM sized the
+    KV cache by a utilisation (`plan`; the agent keeps it for the operator), then the failing
+    worker's traceback under that worker's log prefix, then the engine core's end. The phase
+    markers the fake prints before (wire/phases.py MARKERS) are not replayed: the traceback's
+    frames name the phase, and the agent lets them win over any marker."""
     out = io.StringIO()
     console = _ReplayConsole(pid=1, out=out, err=out)
+    if plan is not None and not plan.pinned:
+        for rank, avail in enumerate(plan.available):
+            console.info(
+                worker_name(scenario, rank),
+                where("available_kv_memory"),
+                message("available_kv_memory", format_gib(avail)),
+            )
     who = "EngineCore_DP0" if failure.rank is None else worker_name(scenario, failure.rank)
-    where = "core.py:718" if scenario.world_size == 1 else "multiproc_executor.py:671"
+    where_from = "core.py:718" if scenario.world_size == 1 else "multiproc_executor.py:671"
     lines = failure_lines(failure)
     first = "WorkerProc failed to start." if at_startup else "WorkerProc hit an exception."
-    console.error_lines(who, where, [first, *lines])
+    console.error_lines(who, where_from, [first, *lines])
     if at_startup:
         console.engine_failed_to_start([lines[-1]])
     else:
@@ -196,7 +208,9 @@ def run_world(scenario: Scenario, argv: Sequence[str]) -> WorldRun:
         idle_free=idle,
         startup_min_free=startup_low,
         cycle_min_free=cycle_low,
-        failure_lines=printed_failure(scenario, failure, at_startup=not ready) if failure is not None else (),
+        failure_lines=printed_failure(scenario, failure, at_startup=not ready, plan=engine.plan)
+        if failure is not None
+        else (),
         startup_free=tuple(engine.snapshot_free) if ready else (),
         argv=tuple(argv),
     )

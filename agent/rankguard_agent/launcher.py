@@ -51,6 +51,7 @@ from rankguard_agent.verdict import termination_message, with_place
 from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace, read_group
 from rankguard_agent.wire.phases import PhaseTracker
 from rankguard_agent.wire.recognisers import (
+    AVAILABLE_KV,
     KV_TOO_SMALL,
     MODEL_LOADING,
     CudaGraphPool,
@@ -205,7 +206,17 @@ class Observer:
                 self.state.record_engine_memory(local, _engine_memory(found))
             return
         if isinstance(found, KVObservation):
-            self.last_kv = found
+            # The workers' "Available KV cache memory" (bytes) is what the operator converts a
+            # utilisation start to bytes from: the least of them, as the engine core sizes the
+            # cache by its tightest worker. The token lines that follow say the same cache in
+            # other units, so they do not displace it in the verdict.
+            last = self.last_kv
+            if (
+                last is None
+                or last.kind != AVAILABLE_KV
+                or (found.kind == AVAILABLE_KV and found.value <= last.value)
+            ):
+                self.last_kv = found
             if self.state is not None:
                 self.state.record_kv(found.kind, found.text, found.value)
             return

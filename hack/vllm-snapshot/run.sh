@@ -30,6 +30,7 @@ if [ "$mode" = "--check" ]; then
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     "$venv/bin/python" "$here/snapshot.py" "$tmp" >/dev/null 2>&1 || "$venv/bin/python" "$here/snapshot.py" "$tmp"
+    "$venv/bin/python" "$here/arch_defaults.py" "$tmp/arch_defaults.json" >/dev/null 2>&1
     diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
     "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
     diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
@@ -37,6 +38,7 @@ if [ "$mode" = "--check" ]; then
     diff -u "$cases" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
 else
     "$venv/bin/python" "$here/snapshot.py" "$dest" 2>/dev/null
+    "$venv/bin/python" "$here/arch_defaults.py" "$dest/arch_defaults.json" 2>/dev/null
     "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
     "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null
 fi

@@ -26,7 +26,8 @@ DOC: dict[str, Any] = {
     "image": "vllm/vllm-openai:v0.33.0",
     "tensorParallelSize": 4,
     "engine": {"maxModelLen": 8192},
-    "memory": {"gpuMemoryBytes": 80 * GiB},
+    # minHeadroomBytes above the CRD's default (128 MiB) so these figures keep clear of it
+    "memory": {"gpuMemoryBytes": 80 * GiB, "minHeadroomBytes": 256 * MiB},
     "resources": {"limits": {"memory": "64Gi"}},
 }
 

@@ -16,7 +16,7 @@ from rankguard_operator.core.units import GiB, MiB
 
 def test_the_setting() -> None:
     # the floor is one 8192-token request (512 blocks) plus vLLM 0.33's null block
-    assert (40_832_860_160, 1_310_720, 640 * MiB + 1_310_720) == (KV, UNIT, FLOOR)
+    assert (39_735_787_520, 1_310_720, 640 * MiB + 1_310_720) == (KV, UNIT, FLOOR)
     assert KV % UNIT == 0
 
 

@@ -2,13 +2,15 @@
 compared by bench/memory_observations.py; the table is in docs/memory-model.md).
 
 Targets: weights per rank within 3 %, the KV tokens vLLM printed reproduced exactly, the budget at
-the log's utilisation within [90 %, 100 %] of what vLLM said fits and never above it. The misses
+the log's utilisation within [90 %, 100 %] of what vLLM said fits and never above it, and the
+median budget at least 97 % of what fits (issue 28). The misses
 are named below with their reason, and each must still miss: when the planner or the fixture
 changes so that one passes, this test says so and the list (and the docs) must shrink."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,15 +25,7 @@ ROWS = {r.id: r for r in mo.rows()}
 # id -> the figure that misses, and why (docs/memory-model.md, "Misses")
 KNOWN_MISSES: dict[str, tuple[str, str]] = {
     "gpt-oss-120b-tp4-a100-80gb-vllm0.10.1.1": ("tokens", "vLLM 0.10.1 grouped hybrid layers differently"),
-    "gpt-oss-120b-tp1-h100-vllm0.14.1": ("weights", "MXFP4 padding depends on the backend; sized heavy"),
-    "gpt-oss-120b-tp1-h100-vllm0.10.x-negative-kv": ("weights", "MXFP4 padding depends on the backend"),
     "qwen3-235b-a22b-fp8-tp4-h100": ("tokens", "an LMCache connector run; the quoted lines disagree"),
-    "qwen2-7b-tp2-a100-40gb-2nodes-util0.5-vllm0.10.1.1": (
-        "budget",
-        "TP across two nodes; GPU total assumed",
-    ),
-    "qwen2-7b-tp1-a100-80gb-util0.25-vllm0.10.1.1": ("budget", "a 4.5 GiB budget: the 1 GiB graph prior"),
-    "llama31-8b-tp1-rtx3090-maxlen20k-v0": ("budget", "vLLM v0 profiled activations differently"),
 }
 
 
@@ -64,9 +58,23 @@ def test_each_observation_meets_the_targets_or_is_a_named_miss(row_id: str) -> N
     assert _misses(r) == expected, mo.table([r])
 
 
-def test_no_budget_is_above_what_vllm_said_fits_except_the_named_ones() -> None:
+def test_no_budget_is_above_what_vllm_said_fits() -> None:
     over = [r.id for r in ROWS.values() if r.budget_ratio is not None and r.budget_ratio > 1.0]
-    assert set(over) <= {k for k, (what, _) in KNOWN_MISSES.items() if what == "budget"}
+    assert over == []
+
+
+def test_the_median_budget_is_at_least_97_percent_of_what_fits() -> None:
+    ratios = sorted(r.budget_ratio for r in ROWS.values() if r.budget_ratio is not None)
+    assert len(ratios) >= 7
+    assert statistics.median(ratios) >= 0.97, ratios
+
+
+def test_every_budget_row_is_feasible_where_vllm_served() -> None:
+    # every row with a budget figure is a start-up vLLM served: the verdict must say it can
+    for o in json.loads(mo.FIXTURE.read_text())["observations"]:
+        r = ROWS[o["id"]]
+        if r.budget_ratio is not None and r.shape is not None:
+            assert mo.plan_for(o, r.shape, mo._total_gib(o) or 79.22).feasible, r.id
 
 
 def test_the_table_the_docs_show_is_the_one_computed() -> None:

@@ -77,7 +77,7 @@ def test_minimal_spec_gets_the_crd_defaults() -> None:
     assert m.gpu_memory_utilization is None and m.kv_cache_memory_bytes is None and not m.pinned
     assert (m.safety_margin_bytes, m.min_headroom_bytes, m.reclaim, m.gpu_memory_bytes) == (
         512 * MiB,
-        256 * MiB,
+        128 * MiB,
         True,
         None,
     )

@@ -105,7 +105,7 @@ def test_summary_fields() -> None:
     assert summary_fields(OBS, FLAGS, 1, 1) == {
         "ready": "1/1",
         "readyReplicas": 1,
-        "kvBudget": "38Gi",
+        "kvBudget": "37Gi",
         "rank0Headroom": "2Gi",
         "minHeadroom": "1.9Gi",
         "bottleneck": "rank 1",
@@ -369,7 +369,7 @@ def test_remediating_then_running() -> None:
     assert conds["Ready"]["status"] == "False" and conds["Degraded"]["status"] == "False"
     assert s1["phase"] == "Remediating" and s1["observedGeneration"] == 3
     assert s1["remediations"][-1]["action"] == "ShrinkKVCache" and s1["remediations"][-1]["revision"] == "r1"
-    assert s1["kvBudget"] == "36Gi" and s1["budget"]["source"] == "remediated"
+    assert s1["kvBudget"] == "35Gi" and s1["budget"]["source"] == "remediated"
     assert s1["lastKnownGood"]["kvCacheMemoryBytes"] == KV and s1["bottleneck"] == "rank 1"
     # next pass: still rolling, no new decision -> still Remediating
     s2 = status_after(None, ROLLING, 0, s1, T1, flags=d.flags)

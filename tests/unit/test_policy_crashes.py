@@ -52,7 +52,7 @@ def test_cuda_oom_shrinks_by_the_deficit_plus_margin() -> None:
     assert d.handled == (t.key,) and d.is_remediation and d.from_flags == CUR
     assert d.message == (
         "rank 2 ran out of GPU memory in pod llama-0 (tried to allocate 2Gi with 512Mi free); shrinking "
-        "the per-GPU KV budget from 38Gi to 36Gi (deficit 1.5Gi plus the 512Mi safety margin)"
+        "the per-GPU KV budget from 37Gi to 35Gi (deficit 1.5Gi plus the 512Mi safety margin)"
     )
 
 
@@ -327,7 +327,7 @@ def test_oom_killed_under_a_pinned_budget_still_raises_the_limit() -> None:
 def test_failed_rollout_rolls_back_even_in_cooldown() -> None:
     d = decide(inp(rollout=FAILED, last_known_good=LKG, history=[past(10)]))
     assert (d.action, d.trigger, d.reason, d.flags) == ("rollback", "RolloutFailed", "Rollback", LKG)
-    assert "ProgressDeadlineExceeded" in d.message and "36Gi" in d.message
+    assert "ProgressDeadlineExceeded" in d.message and "35Gi" in d.message
     five = [past(50 * i + 10) for i in range(5)]  # beyond maxPerHour too
     assert decide(inp(rollout=FAILED, last_known_good=LKG, history=five)).action == "rollback"
 

@@ -2,8 +2,9 @@
 and reclaiming idle headroom.
 
 The agents' figures move the budget before an OOM does: down when a rank runs low, back when
-a grow made things worse, and up, by half the excess and never past the ceiling or a budget
-that crashed within a day, when every rank keeps plenty free.
+a grow made things worse, and up, once, to the least free memory the bottleneck kept over a
+30-minute stretch (less the low-headroom line and a jitter allowance), never past
+spec.remediation.maxKVCacheBytes or a budget that crashed within a day.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from policy_world import (
     CUR,
     KV,
     LOW,
-    MARGIN,
     MINH,
     NOW,
     PLAN,
@@ -38,6 +38,7 @@ from rankguard_operator.core.budget.planner import RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy import Decision, decide
 from rankguard_operator.core.policy.history import Remediation
+from rankguard_operator.core.policy.tunables import HEADROOM_JITTER_BYTES
 from rankguard_operator.core.units import GiB, MiB
 
 # --- rule 6: headroom worse after a grow ---------------------------------------------------------
@@ -74,8 +75,14 @@ def test_headroom_worse_boundaries(kw: dict[str, Any], why: str) -> None:
 def test_sustained_low_headroom_shrinks_before_an_oom() -> None:
     d = decide(inp(observation=LOW, low_headroom_since=NOW - 60))
     assert (d.action, d.trigger, d.rank) == ("shrink", "LowHeadroom", 1)
-    assert d.flags.kv_cache_memory_bytes == round_down(KV - (MINH - 100 * MiB) - MARGIN, UNIT)
-    assert "below the minimum headroom 256Mi, for 60s" in d.message
+    # measured: down by the deficit and the jitter allowance, where a fill would land
+    assert d.flags.kv_cache_memory_bytes == round_down(KV - (MINH - 100 * MiB) - HEADROOM_JITTER_BYTES, UNIT)
+    assert "below the minimum headroom 256Mi, for 60s" in d.message and "jitter allowance" in d.message
+    # over a utilisation the budget cut is an estimate: the safety margin covers it
+    util = decide(
+        inp(current=ServingFlags(gpu_memory_utilization=0.9), observation=LOW, low_headroom_since=NOW - 60)
+    )
+    assert util.action == "shrink" and "safety margin" in util.message
 
 
 def test_low_headroom_not_yet_sustained_or_not_fresh() -> None:
@@ -90,7 +97,7 @@ def test_low_headroom_under_a_pinned_budget_holds() -> None:
     s = spec_with(memory={"kvCacheMemoryBytes": 30 * GiB})
     d = decide(inp(spec=s, current=pinned, observation=LOW, low_headroom_since=NOW - 600))
     assert (d.action, d.reason, d.held_action) == ("hold", "PinnedBudget", "shrink")
-    assert "lower it by at least 668Mi" in d.message
+    assert "lower it by at least 220Mi" in d.message  # the 156 MiB deficit and the jitter allowance
 
 
 # --- rule 8: replan when measurements arrive ------------------------------------------------------
@@ -142,12 +149,29 @@ def reclaim(**kw: Any) -> Decision:
     return decide(inp(**args))
 
 
-def test_reclaim_grows_by_half_the_excess_over_the_margin() -> None:
-    d = reclaim()
+KEEP = MINH + HEADROOM_JITTER_BYTES  # what a fill leaves free on the bottleneck
+
+
+def test_reclaim_fills_up_to_the_stretchs_lowest_free_memory_less_the_line_and_jitter() -> None:
+    d = reclaim(ample_headroom_lowest=4 * GiB)
     assert (d.action, d.trigger, d.reason, d.rank) == ("grow", "Reclaim", "GrowKVCache", 1)
-    step = round_down((5 * GiB - MARGIN) // 2, UNIT)
-    assert d.flags.kv_cache_memory_bytes == round_down(KV - 8 * GiB, UNIT) + step
+    assert d.flags.kv_cache_memory_bytes == SMALLER.kv_cache_memory_bytes + round_down(4 * GiB - KEEP, UNIT)
     assert "every rank has kept at least 512Mi free for 30 min" in d.message
+    assert "at least 4Gi" in d.message and "filling the bottleneck's lowest free memory" in d.message
+    # the window's own minimum counts too when it is lower than the stretch's
+    d2 = reclaim(ample_headroom_lowest=6 * GiB)
+    assert d2.flags.kv_cache_memory_bytes == SMALLER.kv_cache_memory_bytes + round_down(5 * GiB - KEEP, UNIT)
+
+
+def test_a_measured_stretch_lifts_the_plans_prior_ceiling_but_not_the_spec_maximum() -> None:
+    ceiling = kv_ceiling(SPEC, PLAN)
+    assert ceiling is not None
+    d = reclaim(current=CUR, ample_headroom_lowest=5 * GiB)
+    new = d.flags.kv_cache_memory_bytes
+    assert d.action == "grow" and new == KV + round_down(5 * GiB - KEEP, UNIT) and new > ceiling
+    s = spec_with(remediation={"maxKVCacheBytes": KV + GiB})
+    capped = reclaim(spec=s, current=CUR, ample_headroom_lowest=5 * GiB).flags.kv_cache_memory_bytes
+    assert capped == round_down(KV + GiB, UNIT)
 
 
 def test_reclaim_never_exceeds_the_ceiling() -> None:
@@ -171,7 +195,7 @@ def test_reclaim_never_exceeds_the_ceiling() -> None:
         ({"plan": None}, "no ceiling at all"),
         ({"history": [past(1799, frm=KV, to=KV - 8 * GiB)]}, "a change within the window"),
         ({"rollout": PROGRESSING}, "rolling"),
-        ({"observation": obs(900 * MiB)}, "step below 256 MiB"),
+        ({"observation": obs(560 * MiB)}, "step below 256 MiB"),
         (
             {
                 "current": ServingFlags(gpu_memory_utilization=0.9),
@@ -206,8 +230,8 @@ def test_grow_stays_within_ceiling_and_keeps_the_margin(min_free: int, kv_blocks
         new = d.flags.kv_cache_memory_bytes
         assert new is not None
         ceiling = kv_ceiling(SPEC, PLAN)
-        assert ceiling is not None and new <= ceiling
+        assert ceiling is not None and new <= ceiling  # no stretch lowest tracked: the prior caps
         grown_by = new - kv_blocks * UNIT
-        assert grown_by >= 256 * MiB and min_free - grown_by >= MARGIN  # the margin stays free
+        assert grown_by >= 256 * MiB and min_free - grown_by >= KEEP  # the line and jitter stay free
     else:
         assert d.action in ("none", "replan", "degrade")

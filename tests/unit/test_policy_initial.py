@@ -15,6 +15,7 @@ from rankguard_operator.core.budget.bounds import budget_key, initial_plan, roun
 from rankguard_operator.core.budget.planner import RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy import decide
+from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
 
 
@@ -23,7 +24,7 @@ def test_initial_from_the_prior_plan() -> None:
     assert (d.action, d.trigger, d.reason, d.rank) == ("initial", "Initial", "BudgetPlanned", 0)
     assert d.flags == ServingFlags(kv_cache_memory_bytes=KV)
     assert d.changes_flags and not d.is_remediation
-    assert "38Gi from priors" in d.message and "rank 0 is the bottleneck" in d.message
+    assert "37Gi from priors" in d.message and "rank 0 is the bottleneck" in d.message
 
 
 def test_initial_from_probe_figures() -> None:
@@ -65,6 +66,29 @@ def test_initial_capped_by_the_ceiling_and_degraded_below_the_floor() -> None:
     assert (low.action, low.trigger, low.reason) == ("degrade", "Floor", "BudgetBelowFloor")
     assert low.flags.kv_cache_memory_bytes == 50 * GiB
     assert "lower spec.engine.maxModelLen" in low.message
+
+
+def test_a_plan_below_one_request_that_the_ranks_can_still_hold_starts_at_one_request() -> None:
+    # Qwen2.5-72B at TP2 on 80 GB cards: the priors (NCCL after traffic, the margin) leave less
+    # than one 8K request, but weights, logits and the least non-torch memory leave room: vLLM
+    # serves it, so rankguard starts at one request instead of calling the service Degraded.
+    doc = {
+        "model": {"name": "Qwen/Qwen2.5-72B"},
+        "image": "vllm/vllm-openai:v0.33.0",
+        "tensorParallelSize": 2,
+        "engine": {"maxModelLen": 8192},
+        "memory": {"gpuMemoryBytes": round(79.2 * GiB)},
+    }
+    s = parse_spec(doc)
+    plan = initial_plan(s)
+    assert plan is not None and plan.feasible and plan.kv_cache_memory_bytes < plan.min_kv_cache_memory_bytes
+    d = decide(inp(spec=s, plan=plan, current=None, observation=None))
+    assert (d.action, d.reason) == ("initial", "BudgetAtOneRequest")
+    assert d.flags.kv_cache_memory_bytes == plan.min_kv_cache_memory_bytes
+    assert "starting at one request" in d.message
+    # a floor the spec asks for is not the planner's to waive: still Degraded below it
+    floor = spec_with(remediation={"minKVCacheBytes": 50 * GiB})
+    assert decide(inp(spec=floor, current=None)).reason == "BudgetBelowFloor"
 
 
 def test_spec_change_replans_and_keeps_a_raised_memory_limit() -> None:

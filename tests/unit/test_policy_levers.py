@@ -334,7 +334,7 @@ def test_serving_flags_round_trip_every_lever() -> None:
     assert ServingFlags.from_status({"maxNumSeqs": 8}) == ServingFlags(max_num_seqs=8)
     assert ServingFlags.from_status({"maxNumSeqs": "8"}) is None  # a hand-edited status: nothing, no crash
     assert f.describe() == (
-        "kv-cache-memory-bytes 38Gi, max-num-seqs 64, max-num-batched-tokens 2048, "
+        "kv-cache-memory-bytes 37Gi, max-num-seqs 64, max-num-batched-tokens 2048, "
         "max-cudagraph-capture-size 128, enforce-eager, memory limit 64Gi"
     )
 

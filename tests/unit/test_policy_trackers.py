@@ -16,6 +16,7 @@ from rankguard_operator.core.policy import (
     decide,
     next_last_known_good,
     track_ample_headroom,
+    track_ample_lowest,
     track_low_headroom,
 )
 from rankguard_operator.core.units import GiB
@@ -43,6 +44,18 @@ def test_track_ample_headroom() -> None:
     assert track_ample_headroom(NOW - 5, obs(2 * MINH), SPEC, NOW) == NOW - 5  # boundary: 2 × minimum
     assert track_ample_headroom(NOW - 5, obs(2 * MINH - 1), SPEC, NOW) is None
     assert track_ample_headroom(NOW - 5, None, SPEC, NOW) == NOW - 5
+
+
+def test_track_ample_lowest_keeps_the_stretchs_least_free_memory() -> None:
+    since = NOW - 600
+    assert track_ample_lowest(None, None, None, AMPLE) is None  # no stretch
+    assert track_ample_lowest(None, None, since, AMPLE) == 5 * GiB  # a stretch starts: the bottleneck's
+    assert track_ample_lowest(4 * GiB, since, since, AMPLE) == 4 * GiB  # a lower figure earlier stays
+    assert track_ample_lowest(6 * GiB, since, since, AMPLE) == 5 * GiB
+    assert track_ample_lowest(4 * GiB, since - 60, since, AMPLE) == 5 * GiB  # a new stretch starts over
+    assert track_ample_lowest(4 * GiB, since, since, None) == 4 * GiB  # no data: kept
+    assert track_ample_lowest(4 * GiB, since, since, obs(GiB, stale=True)) == 4 * GiB  # stale: kept
+    assert track_ample_lowest(4 * GiB, since, None, AMPLE) is None  # the stretch ended
 
 
 def test_last_known_good() -> None:

@@ -13,7 +13,11 @@ package (never typed by hand):
 - `surface.json`: what `vllm serve` checks beyond argparse's types: the help spellings, the
   JSON schema of every option parsed into a pydantic dataclass, the block sizes each CUDA
   attention backend supports, the factors of the world size, the options that decide what
-  listens on the port, and the options that size GPU or host memory.
+  listens on the port, and the options that size GPU or host memory;
+- `arch_defaults.json`: per `model_type`, the defaults of the config fields rankguard reads
+  that a multimodal `config.json` may leave out, from the config classes of the transformers
+  vLLM ships with (or vLLM's own), with the transformers version and each class's name
+  (`hack/vllm-snapshot/arch_defaults.py`).
 
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.
@@ -51,6 +55,7 @@ class Snapshot:
     formats: dict[str, Any]
     engine: dict[str, Any]
     surface: dict[str, Any]
+    arch: dict[str, Any]  # arch_defaults.json
 
     def messages(self, key: str) -> list[dict[str, Any]]:
         """The recorded messages for one recogniser key (see formats.json), [] if none."""
@@ -64,6 +69,12 @@ class Snapshot:
     @property
     def default_block_size(self) -> int:
         return int(self.engine["default_block_size"])
+
+    @property
+    def arch_defaults(self) -> dict[str, dict[str, Any]]:
+        """model_type -> {field: the value its config class gives a config.json that leaves it out}."""
+        defaults: dict[str, dict[str, Any]] = self.arch["defaults"]
+        return defaults
 
 
 @cache
@@ -87,7 +98,12 @@ def load(version: str) -> Snapshot:
         return doc
 
     return Snapshot(
-        version, read("cli.json"), read("formats.json"), read("engine.json"), read("surface.json")
+        version,
+        read("cli.json"),
+        read("formats.json"),
+        read("engine.json"),
+        read("surface.json"),
+        read("arch_defaults.json"),
     )
 
 

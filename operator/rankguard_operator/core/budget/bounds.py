@@ -93,6 +93,7 @@ def plan_input(
         quantization=spec.model.quantization,
         checkpoint_weights=_checkpoint_weights(spec, shape, checkpoint),
         measured_only=measured_only,
+        pods=spec.pods_per_replica,
     )
 
 

@@ -46,21 +46,49 @@ RANK0_COMM_EXTRA_PRIOR_BYTES = 128 * MiB
 # Pipeline-terminal ranks: "8.76 GiB on a PP-terminal rank vs 1–2 GiB on rank 0 (TP2×PP2,
 # PR #45517)" (the facts). Used as the floor of that rank's context+communication prior.
 PP_TERMINAL_COMM_PRIOR_BYTES = round(8.76 * GiB)
-# CUDA-graph memory that vLLM (v1, default on) estimates and subtracts; `--enforce-eager` skips
-# capture (the facts). No figure in the references: rankguard's conservative prior is 1 GiB
-# (capture logs of dense 8B-70B models typically report well under that). Measure to replace it.
-CUDAGRAPH_PRIOR_BYTES = 1 * GiB
+# CUDA-graph pool, which vLLM 0.33 estimates and subtracts before sizing the KV cache
+# (gpu_worker.determine_available_memory, "CUDA graph pool memory (estimated)"); `--enforce-eager`
+# skips capture. It grows with the graphs captured: one per capture size and layer (piecewise
+# graphs split at every attention; a FULL graph holds every layer's kernels). Per size and layer:
+# log qwen2-7b-tp1-a100-80gb-util0.5-vllm0.10.1.1 ("Graph capturing finished ..., took 0.50 GiB",
+# 28 layers x vLLM 0.10's 67 capture sizes). vLLM 0.33 captures FULL decode graphs as well
+# (FULL_AND_PIECEWISE), so on the same model it plans more than 0.10 took: the side of safety.
+CUDAGRAPH_BYTES_PER_SIZE_LAYER = round(0.50 * GiB / (67 * 28))
+# Under TP the graphs hold the all-reduce's NCCL work too: 0.65 GiB at TP2 on one node where TP1
+# took 0.50 (log qwen2-7b-tp2-a100-80gb-util0.25-vllm0.10.1.1, custom all-reduce off), and 1.00
+# GiB when the TP group spans two nodes (log qwen2-7b-tp2-a100-40gb-2nodes-util0.5-vllm0.10.1.1).
+CUDAGRAPH_TP_FACTOR = 1.3
+CUDAGRAPH_CROSS_NODE_FACTOR = 2.0
+# vLLM 0.33's default capture ceiling (config/vllm.py: 512, 1024 on Blackwell; rankguard takes
+# the 512 of the cards it plans for).
+CUDAGRAPH_MAX_CAPTURE_SIZE = 512
+# NCCL memory allocated lazily by the profile run's first all-reduces, after vLLM's start-up
+# snapshot, so vLLM counts it in its non-KV memory (unlike the communicator's init, in the
+# context prior). One node: Qwen2-7B's non-KV beyond weights and graphs was 0.66 GiB at TP2 vs
+# 0.53-0.55 at TP1 (logs qwen2-7b-tp2-a100-80gb-util0.25/0.5 and qwen2-7b-tp1-a100-80gb-util0.25/0.5,
+# vLLM 0.10.1.1, same model, same batch), ~0.12 GiB, taken at 0.15. Across nodes (NCCL's network
+# transport): 1.54 GiB (log qwen2-7b-tp2-a100-40gb-2nodes-util0.5-vllm0.10.1.1, "Custom allreduce
+# is disabled because this process group spans across nodes"), 1.0 GiB more than TP1.
+PROFILE_NCCL_PRIOR_BYTES = round(0.15 * GiB)
+PROFILE_NCCL_CROSS_NODE_PRIOR_BYTES = round(1.0 * GiB)
 # Forward-pass activations: the analytic working set (below) times this factor for the
 # caching allocator's rounding and the temporaries it ignores (rotary, norm outputs,
-# all-reduce staging). A rankguard prior; the profile run's measured peak replaces it. 1.4
-# (was 2): H100 logs showed 1.10 GiB where 2 planned 1.56, and on the public logs of
-# docs/memory-model.md it keeps every in-scope budget within [90 %, 100 %] of what vLLM fit.
-ACTIVATION_OVERHEAD_FACTOR = 1.4
+# all-reduce staging). A rankguard prior; the profile run's measured peak replaces it. 1.15:
+# log llama31-8b-tp1-rtx3090-maxlen20k-v0 profiled a 20,000-token prompt at 2.07 GiB of torch
+# peak (peak_torch_memory 17.06 - 14.99 weights) where the analytic set is 1.91 GiB (x 1.08).
+# It was 1.4 (and 2 before), when the sampler's peak was taken as adding to it; it does not
+# (`runtime_peak_bytes`).
+ACTIVATION_OVERHEAD_FACTOR = 1.15
 # The sampler on a rank that holds full-vocab logits: "the sampler converts them to float32"
 # and profile_run includes "a dummy sampler run over max_num_seqs rows" (the facts). Beyond
-# the fp32 logits themselves, rankguard assumes two more fp32 vocab x batch working copies
-# (softmax probabilities and the sorted copy top-p/top-k need).
-SAMPLER_FP32_COPIES = 2
+# the fp32 logits themselves, three more fp32 vocab x batch working copies (temperature,
+# softmax probabilities, the sorted copy top-p/top-k need): with the logits 16 bytes a value,
+# 0.58 GiB for Qwen2-7B at 256 sequences, where vLLM 0.10 measured 0.53-0.55 GiB beyond the
+# weights, all of its non-KV memory at TP1 with its graphs apart (logs qwen2-7b-tp1-*).
+SAMPLER_FP32_COPIES = 3
+# The least non-torch memory a vLLM process was seen to hold: "non_torch_memory=0.35GiB" (log
+# llama31-8b-tp1-rtx3090-maxlen20k-v0). The feasibility verdict's lower bound, never a budget.
+CONTEXT_FLOOR_BYTES = round(0.35 * GiB)
 LOGITS_BYTES_PER_VALUE = 4  # the article's table is "float32 logits"
 
 _ACT_DTYPE_BYTES = {
@@ -254,6 +282,39 @@ def activation_bytes(shape: ModelShape, tp: int, tokens: int, dtype: str = "auto
         shared = -(-shape.shared_expert_intermediate_size // tp)
         phases.append(shape.experts_per_token * (3 * inter + h) + 3 * shared)
     return math.ceil(tokens * b * (2 * h + max(phases)) * ACTIVATION_OVERHEAD_FACTOR)
+
+
+def runtime_peak_bytes(activation: int, logits: int, sampler: int) -> int:
+    """The profile run's transient peak: vLLM frees the forward pass's working set before its
+    dummy sampler run (profile_run: `_dummy_run`, then `_dummy_sampler_run` on the last hidden
+    states), so the peak is the larger of the two phases, not their sum."""
+    return max(activation, logits + sampler)
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """How many graphs vLLM 0.33 captures by default (config/vllm.py, FULL_AND_PIECEWISE):
+    piecewise sizes 1, 2, 4, 8..248 by 8, 256.. by 16 up to min(2 x max_num_seqs, 512,
+    max_num_batched_tokens), plus max_num_batched_tokens when under that ceiling; and a FULL
+    decode graph for each of those sizes up to max_num_seqs."""
+    top = min(2 * max_num_seqs, CUDAGRAPH_MAX_CAPTURE_SIZE, max_num_batched_tokens)
+    sizes = {i for i in (1, 2, 4) if i <= top} | set(range(8, min(top + 1, 256), 8))
+    sizes |= set(range(256, top + 1, 16))
+    if max_num_batched_tokens <= top:
+        sizes.add(max_num_batched_tokens)
+    return len(sizes) + sum(1 for s in sizes if s <= max_num_seqs)
+
+
+def cudagraph_bytes(layers: int, tp: int, graphs: int, *, cross_node: bool = False) -> int:
+    """The CUDA-graph pool prior of one rank holding `layers` layers (see the priors above)."""
+    factor = 1.0 if tp == 1 else CUDAGRAPH_CROSS_NODE_FACTOR if cross_node else CUDAGRAPH_TP_FACTOR
+    return math.ceil(CUDAGRAPH_BYTES_PER_SIZE_LAYER * graphs * layers * factor)
+
+
+def profile_comm_bytes(tp: int, pp: int, *, cross_node: bool = False) -> int:
+    """NCCL memory the profile run allocates after vLLM's snapshot (see the priors above)."""
+    if tp * pp == 1:
+        return 0
+    return PROFILE_NCCL_CROSS_NODE_PRIOR_BYTES if cross_node else PROFILE_NCCL_PRIOR_BYTES
 
 
 def context_prior_bytes(rank: int, tp: int, pp: int) -> int:

@@ -54,7 +54,7 @@ from rankguard_operator.core.budget.kv_model import (
     stage_range,
 )
 from rankguard_operator.core.budget.memory_model import (
-    CUDAGRAPH_PRIOR_BYTES,
+    CONTEXT_FLOOR_BYTES,
     DEFAULT_BLOCK_SIZE,
     LOGITS_BYTES_PER_VALUE,
     SAMPLER_FP32_COPIES,
@@ -62,10 +62,14 @@ from rankguard_operator.core.budget.memory_model import (
     PlanError,
     act_bytes,
     activation_bytes,
+    capture_sizes,
     check_tp,
     context_prior_bytes,
+    cudagraph_bytes,
     kv_dtype_bytes,
     logits_bytes,
+    profile_comm_bytes,
+    runtime_peak_bytes,
     weight_bits,
     weight_bytes,
 )
@@ -131,6 +135,13 @@ class PlanInput:
     # Measure-first (an architecture the priors cannot describe): every rank's non-KV figure
     # comes from the engine's own report or an observed peak; nothing is estimated.
     measured_only: bool = False
+    # Pods one replica spans (spec.distributed.podsPerGroup): more pods than pipeline stages
+    # means a TP group spans nodes, whose NCCL (no custom all-reduce) costs more.
+    pods: int = 1
+
+    @property
+    def cross_node_tp(self) -> bool:
+        return self.pods > self.pp
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,10 @@ class RankPlan:
     blocks: int  # blocks this rank could cut from the planned budget
     headroom_bytes: int  # safe KV − planned budget: what this rank keeps free while serving
     weights_source: str = "config"  # "config" (config.json arithmetic) | "checkpoint" (its headers)
+    profile_comm_bytes: int = 0  # NCCL memory the profile run allocates after vLLM's snapshot
+    # The least non-KV memory this rank can need (weights, the smallest non-torch memory seen,
+    # the fp32 logits; or the measured figure): the feasibility verdict's side, never a budget's.
+    least_non_kv_bytes: int = 0
 
     @property
     def runtime_non_kv_bytes(self) -> int:
@@ -267,7 +282,8 @@ def make_plan(inp: PlanInput) -> Plan:
     kvb = kv_dtype_bytes(inp.kv_cache_dtype, inp.dtype)
     per_token = [sum(layer_kv(shape, i, tp, kvb).bytes_per_token for i in ranges[st]) for st in range(pp)]
     act = activation_bytes(shape, tp, inp.max_num_batched_tokens, inp.dtype)
-    graphs = 0 if inp.enforce_eager else CUDAGRAPH_PRIOR_BYTES
+    n_graphs = 0 if inp.enforce_eager else capture_sizes(inp.max_num_seqs, inp.max_num_batched_tokens)
+    comm = profile_comm_bytes(tp, pp, cross_node=inp.cross_node_tp)
     drafts: list[RankPlan] = []
     stage_weights: dict[int, int] = {}
     for rank in range(tp * pp):
@@ -308,7 +324,8 @@ def make_plan(inp: PlanInput) -> Plan:
             context, context_source = total - m.free_after_init_bytes, "measured"
         else:
             context, context_source = context_prior_bytes(rank, tp, pp), "prior"
-        estimate = context + weights + logits + sampler + act + graphs
+        graphs = cudagraph_bytes(stages[stage], tp, n_graphs, cross_node=inp.cross_node_tp)
+        estimate = context + weights + runtime_peak_bytes(act, logits, sampler) + graphs + comm
         if inp.measured_only:
             seen = [v for v in (m.engine_non_kv_bytes, m.peak_non_kv_bytes) if v is not None] if m else []
             if not seen:
@@ -321,6 +338,11 @@ def make_plan(inp: PlanInput) -> Plan:
             non_kv, non_kv_source = estimate, "estimate"
         if m is not None and m.engine_non_kv_bytes is not None and m.engine_non_kv_bytes > non_kv:
             non_kv, non_kv_source = m.engine_non_kv_bytes, "engine"
+        least = (
+            non_kv
+            if non_kv_source != "estimate"
+            else weights + logits + (context if context_source == "measured" else CONTEXT_FLOOR_BYTES)
+        )
         drafts.append(
             RankPlan(
                 rank=rank,
@@ -342,6 +364,8 @@ def make_plan(inp: PlanInput) -> Plan:
                 blocks=0,
                 headroom_bytes=0,
                 weights_source=weights_source,
+                profile_comm_bytes=comm,
+                least_non_kv_bytes=min(least, non_kv),
             )
         )
 
@@ -374,12 +398,21 @@ def make_plan(inp: PlanInput) -> Plan:
                 f"rank {r.rank}: weights and overheads ({format_bytes(r.non_kv_bytes)}) leave no room "
                 f"for any KV cache on a {format_bytes(r.total_bytes)} GPU; raise TP/PP or use a larger GPU"
             )
-    feasible = budget >= floor and budget > 0
+    # Feasible unless even the least each rank can need leaves no room for one request: the
+    # priors (and the safety margin) size the budget, but a verdict from them would refuse
+    # what vLLM serves (a 72B model at TP2 on 80 GB cards, an 8B model at 20K on a 24 GB card).
+    most = min(r.total_bytes - r.least_non_kv_bytes for r in ranks)
+    feasible = most >= floor > 0
     if not feasible:
         warnings.append(
-            f"the KV budget {format_bytes(budget)} (rank {bottleneck.rank} is the bottleneck) cannot hold "
-            f"one request of max_model_len {mml}, which needs {format_bytes(floor)}; "
-            "lower max_model_len, raise TP, or use an fp8 KV cache"
+            f"even the least a rank needs beside its KV cache leaves {format_bytes(max(0, most))}, which "
+            f"cannot hold one request of max_model_len {mml} ({format_bytes(floor)}); lower "
+            "max_model_len, raise TP, or use an fp8 KV cache"
+        )
+    elif budget < floor:
+        warnings.append(
+            f"the planned KV budget {format_bytes(budget)} (rank {bottleneck.rank}) is below one request "
+            f"of max_model_len {mml} ({format_bytes(floor)}) under the priors; it starts at that floor"
         )
     if needed > startup_cap and budget > 0:
         warnings.append(

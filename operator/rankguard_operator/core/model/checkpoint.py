@@ -5,8 +5,10 @@ sits next to the downloaded weights, can count a checkpoint's bytes exactly what
 quantisation format, without reading a tensor. It reports them by role (embeddings, LM head,
 vision tower, the rest) and per decoder layer as three roles: `split` (sharded by TP), `kv`
 (k/v projections: max(1, kv_heads // tp) of kv_heads per rank) and `replicated` (norms,
-routers, MLA's down-projections). Each role is [float params, other bytes]: 16/32-bit floats
-are counted as parameters so they can be sized at the serving dtype (vLLM loads an fp32
+routers, MLA's down-projections); the vision role as `ModelShape.vision_params_per_rank`
+says (whole on every rank unless the split is known). Each role is [float params, other
+bytes]: 16/32-bit floats are counted as parameters so they can be sized at the serving dtype
+(vLLM loads an fp32
 checkpoint in 16-bit, and `--quantization fp8` turns a 16-bit Linear into 8-bit); quantised
 payloads (int4 packed in int32, fp8, mxfp4 blocks, scales) keep their bytes.
 
@@ -99,6 +101,8 @@ def checkpoint_rank_weights(
     kv_share = shape.kv_heads_per_rank(tp) / shape.num_kv_heads
     linear_act = 1 if runtime_fp8 else act  # --quantization fp8 stores 16-bit Linear weights in 8 bits
     zero = (0, 0)
+    # the share of the vision tower one rank holds (whole on every rank: ModelShape says why)
+    vision_share = shape.vision_params_per_rank(tp) / shape.vision_params if shape.vision_params else 1.0
     out: list[int] = []
     first = 0
     for stage, n in enumerate(stages):
@@ -110,7 +114,7 @@ def checkpoint_rank_weights(
             )
         if stage == 0:
             total += _bytes(roles.get("embed", zero), act, 1 / tp) + _bytes(
-                roles.get("vision", zero), act, 1 / tp
+                roles.get("vision", zero), act, vision_share
             )
         if stage == pp - 1:
             total += _bytes(roles.get("other", zero), act, 1)

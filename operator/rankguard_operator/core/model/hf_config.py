@@ -11,6 +11,9 @@ must not be planned from priors; the operator then measures first (never silentl
 Errors name the field: a config that is malformed, missing a field, out of bounds or
 self-contradictory raises `InvalidShapeError`. Pure: no I/O (the caller reads the file, the
 ConfigMap or the agent's report, and bounds its size).
+
+(Over 450 lines because every family's config.json spelling is read here, one parser, so a
+field means the same for every family; vision towers and defaults live in vision.py.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from typing import Any
 
 from rankguard_operator.core.model.quantization import UnknownQuantization, quant_scheme
 from rankguard_operator.core.model.shape import MLA, InvalidShapeError, LayerKind, LinearAttention, ModelShape
+from rankguard_operator.core.model.vision import (
+    ARCH_DEFAULTS,
+    TEXT_TYPE,
+    VISION_TYPE,
+    vision_tower,
+    with_defaults,
+)
 
 # model_type values whose memory the planner models (the text model's type for multimodal ones)
 DENSE_TYPES = frozenset(
@@ -52,8 +62,22 @@ MOE_TYPES = frozenset(
     }
 )
 MULTIMODAL_TYPES = frozenset(
-    {"qwen2_vl", "qwen2_5_vl", "gemma3", "llama4", "mistral3", "llava", "llava_next"}
+    {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "llama4",
+        "mistral3",
+        "llava",
+        "llava_next",
+        "kimi_vl",
+    }
 )
+# Text models of multimodal wrappers that are a family read here under another name
+# (vLLM 0.33 qwen3_vl.py / qwen3_vl_moe.py build Qwen3 / Qwen3-MoE decoders)
+_TEXT_ALIASES = {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
 MODELLED_TYPES = DENSE_TYPES | MOE_TYPES | MULTIMODAL_TYPES
 # Formats whose weights rankguard sizes but whose serving memory public logs contradict: measured
 # first, not planned (docs/memory-model.md, "Misses").
@@ -143,6 +167,14 @@ _READ_KEYS = [
     "vision_output_dim",
     "mm_tokens_per_image",
     "image_size",
+    "deepstack_visual_indexes",
+    "num_position_embeddings",
+    "merge_kernel_size",
+    "init_pos_emb_height",
+    "init_pos_emb_width",
+    "projector_input_dim",
+    "projector_output_dim",
+    "spatial_patch_size",
     "_name_or_path",
 ]
 
@@ -292,32 +324,6 @@ def _moe(doc: Mapping[str, Any], model_type: str, n: int, name: str) -> dict[str
     }
 
 
-def _vision_params(vision: Any, text_hidden: int, model_type: str, name: str) -> int | None:
-    """A vision tower's parameters from its config: transformer blocks (attention with biases,
-    gated MLP for Qwen-VL, plain MLP for SigLIP/CLIP-style towers), patch embedding, and the
-    projector to the text model. An estimate within a few percent of published towers; the
-    checkpoint's headers, when the agent reads them, replace it."""
-    if not isinstance(vision, Mapping):
-        return 0
-    if not any(k in vision for k in ("depth", "num_hidden_layers")) or not any(
-        k in vision for k in ("hidden_size", "embed_dim")
-    ):
-        return None  # a tower whose size the config does not state: measured, not guessed
-    layers = _int(vision, "depth" if "depth" in vision else "num_hidden_layers", name)
-    hv = _int(vision, "hidden_size" if "hidden_size" in vision else "embed_dim", name)
-    inter = _int(vision, "intermediate_size", name, 4 * hv)
-    gated = model_type in ("qwen2_5_vl",)
-    block = 4 * hv * hv + 4 * hv + (3 if gated else 2) * hv * inter + 4 * hv
-    patch = _int(vision, "patch_size", name, 14)
-    channels = _int(vision, "in_chans", name, _int(vision, "num_channels", name, 3))
-    temporal = _int(vision, "temporal_patch_size", name, 1)
-    merge = _int(vision, "spatial_merge_size", name, 1)
-    out = _int(vision, "out_hidden_size", name, text_hidden)
-    merged = hv * merge * merge
-    projector = merged * merged + merged * out if merge > 1 else hv * out
-    return layers * block + channels * temporal * patch * patch * hv + projector
-
-
 def _modelopt(hf_quant_config: Any) -> dict[str, Any] | None:
     """A ModelOpt checkpoint keeps its quantisation in hf_quant_config.json, not config.json
     (vLLM reads both; the agent and the catalog put it under `hf_quant_config`)."""
@@ -338,8 +344,17 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
     )
     text = doc.get("text_config")
     vision = doc.get("vision_config")
+    if vision is None and outer_type in VISION_TYPE:
+        vision = {}  # the wrapper's config class builds its tower from the defaults
+    if isinstance(vision, Mapping):
+        vision = with_defaults(vision, str(vision.get("model_type") or VISION_TYPE.get(outer_type, "")))
     if isinstance(text, Mapping) and ("hidden_size" not in doc or "num_hidden_layers" not in doc):
+        text = with_defaults(text, str(text.get("model_type") or TEXT_TYPE.get(outer_type, "")))
+        # the language model reads the tie from its own (text) config; a wrapper-level value
+        # wins as transformers passes it down; else the wrapper class's default
         tie = doc.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        if tie is None:
+            tie = ARCH_DEFAULTS.get(outer_type, {}).get("tie_word_embeddings", False)
         merged = {**text, "tie_word_embeddings": tie}
         for k in ("torch_dtype", "dtype", "quantization_config", "hf_quant_config"):
             if k not in merged and k in doc:
@@ -348,8 +363,9 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
     elif text is not None and not isinstance(text, Mapping):
         raise InvalidShapeError(f"config.json for {model_name!r}: text_config must be an object")
     model_type = str(doc.get("model_type", outer_type)).lower()
-    if outer_type == "gemma3" and model_type in ("gemma3", ""):
-        model_type = "gemma3_text"
+    if outer_type in TEXT_TYPE and model_type in (outer_type, ""):
+        model_type = TEXT_TYPE[outer_type]
+    model_type = _TEXT_ALIASES.get(model_type, model_type)
 
     n = _int(doc, "num_hidden_layers", model_name)
     hidden = _int(doc, "hidden_size", model_name)
@@ -399,12 +415,15 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
         quant, unmodelled = None, unmodelled or f"the checkpoint's quantisation is not modelled: {exc}"
     if quant is not None and quant.method in UNMODELLED_QUANT:
         unmodelled = unmodelled or UNMODELLED_QUANT[quant.method]
-    vision_params = _vision_params(vision, hidden, outer_type, model_name)
-    if vision_params is None:
-        vision_params = 0
-        unmodelled = (
-            unmodelled or "the vision tower's size is not stated in vision_config (depth, hidden_size)"
-        )
+    vision_params, vision_whole, vision_heads = 0, 0, 0
+    if isinstance(vision, Mapping):
+        tower = vision_tower(outer_type, vision, doc, hidden)
+        if tower is None:
+            unmodelled = (
+                unmodelled or "the vision tower's size is not stated in vision_config (depth, hidden_size)"
+            )
+        else:
+            vision_params, vision_whole, vision_heads = tower
     window = doc.get("sliding_window")
     dtype = doc.get("torch_dtype") or doc.get("dtype")
     max_pos = doc.get("max_position_embeddings")
@@ -432,6 +451,8 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
         sliding_window=window if isinstance(window, int) and "sliding" in kinds else 0,
         attention_chunk_size=_opt_int(doc, "attention_chunk_size", model_name) if "chunked" in kinds else 0,
         vision_params=vision_params,
+        vision_replicated_params=vision_whole,
+        vision_heads=vision_heads,
         architecture=architecture,
         unmodelled=unmodelled,
         **moe,

@@ -46,9 +46,10 @@ class QuantScheme:
     zero_bytes: float = 0.0
     ignore: tuple[str, ...] = ()
     only: tuple[str, ...] = ()  # when set, only modules matching one of these are quantised
-    # MoE kernels that need aligned tiles pad each expert's hidden and (per-rank) intermediate
-    # dimensions up to this multiple when loading (0: none)
+    # MoE kernels that need aligned tiles pad each expert's (per-rank) intermediate and hidden
+    # dimensions up to these multiples when loading (0: none)
     expert_padding: int = 0
+    expert_hidden_padding: int = 0
 
     def bits_for(self, module: str) -> int | None:
         """The bits of `module` (an HF-style name such as model.layers.3.mlp.down_proj), or
@@ -175,12 +176,23 @@ def quant_scheme(q: Any) -> QuantScheme | None:
             ignore=kept,
         )
     if method == "mxfp4":
-        # gpt-oss: the experts' weights in 4-bit e2m1 blocks of 32 with one 8-bit scale each
-        # vLLM rounds both expert dimensions up for its MXFP4 MoE kernels
-        # (fused_moe/oracle/mxfp4.py: mxfp4_round_up_hidden_size_and_intermediate_size: the
-        # hidden size to 256 for Marlin/TRT-LLM, the intermediate to 128; 256 for both here,
-        # the largest any backend asks, so the count errs heavy)
-        return QuantScheme("mxfp4", 4, group_size=32, scale_bytes=1, ignore=kept, expert_padding=256)
+        # gpt-oss: the experts' weights in 4-bit e2m1 blocks of 32 with one 8-bit scale each.
+        # vLLM 0.33 rounds the expert dimensions up for its MXFP4 MoE kernel
+        # (fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size): Marlin
+        # (A100, and H100 before the Triton kernels) and FlashInfer TRT-LLM (B200) take the
+        # hidden size to 256 and the per-rank intermediate to 128; CUTLASS/DeepGEMM 128 and
+        # 128; Triton (H100) only the intermediate, to 64. The largest any CUDA backend asks is
+        # counted, so the figure errs heavy: gpt-oss-120b 65.90 GiB at TP1 against 65.97 logged
+        # on Marlin (vllm#23278) and 64.38 on H100 (vllm#33155), 17.19 at TP4 against 17.22.
+        return QuantScheme(
+            "mxfp4",
+            4,
+            group_size=32,
+            scale_bytes=1,
+            ignore=kept,
+            expert_padding=128,
+            expert_hidden_padding=256,
+        )
     if method == "bitsandbytes":
         if q.get("load_in_4bit"):
             double = bool(q.get("bnb_4bit_use_double_quant", False))

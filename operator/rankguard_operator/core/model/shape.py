@@ -111,6 +111,9 @@ class ModelShape:
     moe_layers: tuple[bool, ...] = ()
     dense_intermediate_size: int = 0
     vision_params: int = 0  # a multimodal checkpoint's vision tower + projector, all ranks' share
+    # the part of vision_params vLLM keeps whole on every TP rank (None: all of it, the safe count)
+    vision_replicated_params: int | None = None
+    vision_heads: int = 0  # the tower's attention heads: a TP size that does not divide them replicates it
     architecture: str = ""  # config.json's architectures[0] (or model_type)
     unmodelled: str = ""  # why this shape must not be planned from priors; "" = modelled
 
@@ -133,6 +136,7 @@ class ModelShape:
             "attention_chunk_size",
             "dense_intermediate_size",
             "vision_params",
+            "vision_heads",
         ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -210,6 +214,20 @@ class ModelShape:
         """KV heads each TP rank stores. With fewer KV heads than ranks vLLM replicates them:
         max(1, kv_heads // tp) (vllm-memory-facts.md, "KV bytes")."""
         return max(1, self.num_kv_heads // tp)
+
+    def vision_params_per_rank(self, tp: int, *, encoder_tp: bool = False) -> int:
+        """The vision tower's parameters on one TP rank. vLLM 0.33's default
+        (--mm-encoder-tp-mode weights, `encoder_tp`) splits the tower's blocks and keeps
+        `vision_replicated_params` whole; "data" (which vLLM's own Qwen3-VL/Kimi-VL recipes
+        pass) keeps all of it on every rank. The planner does not see that flag, so the
+        default counts the whole tower on every rank (safe); so does a family whose split is
+        unknown, or a TP size that does not divide the tower's heads (vLLM then runs it
+        data-parallel: vision.py is_vit_use_data_parallel)."""
+        whole = self.vision_replicated_params
+        if not encoder_tp or whole is None or (tp > 1 and self.vision_heads and self.vision_heads % tp):
+            return self.vision_params
+        whole = min(whole, self.vision_params)
+        return whole + -(-(self.vision_params - whole) // tp)
 
     def attention_params(self, layer: int) -> int:
         """Parameters of one layer's attention (or linear-attention mixer) at TP 1."""

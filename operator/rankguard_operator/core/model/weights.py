@@ -88,10 +88,11 @@ def mlp_modules(shape: ModelShape, i: int, tp: int) -> list[Module]:
     if not shape.is_moe_layer(i):
         width = _split(shape.dense_width(), tp)
         return [Module(p + name, h * width, True) for name in ("gate_proj", "up_proj", "down_proj")]
-    pad = shape.quant.expert_padding if shape.quant is not None else 0
-    inter = _round_up(_split(shape.intermediate_size, tp), pad)
+    q = shape.quant
+    inter = _round_up(_split(shape.intermediate_size, tp), q.expert_padding if q is not None else 0)
+    padded_h = _round_up(h, q.expert_hidden_padding if q is not None else 0)
     mods = [
-        Module(p + "experts", shape.num_experts * 3 * _round_up(h, pad) * inter, True),
+        Module(p + "experts", shape.num_experts * 3 * padded_h * inter, True),
         Module(p + "gate", h * shape.num_experts, False),  # the router: replicated, never quantised
     ]
     if shape.shared_expert_intermediate_size:
@@ -129,8 +130,9 @@ def rank_weight_bytes(
     quant: QuantScheme | None,
 ) -> int:
     """Weight bytes of one rank holding `layer_range` (its pipeline stage's layers). The first
-    stage holds the embedding and the vision tower, the last the final norm and the LM head
-    (under PP a tied head is a second copy there)."""
+    stage holds the embedding and the vision tower (whole on every rank: see
+    ModelShape.vision_params_per_rank), the last the final norm and the LM head (under PP a
+    tied head is a second copy there)."""
     per_layer: dict[tuple[object, ...], int] = {}
     total = 0
     for i in layer_range:
@@ -141,7 +143,7 @@ def rank_weight_bytes(
         total += per_layer[key]
     rows = vocab_per_rank(shape, tp)
     if first_stage:
-        total += rows * shape.hidden_size * act + _split(shape.vision_params, tp) * act
+        total += rows * shape.hidden_size * act + shape.vision_params_per_rank(tp) * act
     if last_stage:
         total += shape.hidden_size * act
         if not shape.tie_word_embeddings or pp > 1:

@@ -66,6 +66,7 @@ from rankguard_operator.core.policy.decision import Action, Decision, PolicyInpu
 from rankguard_operator.core.policy.trackers import (
     next_last_known_good,
     track_ample_headroom,
+    track_ample_lowest,
     track_low_headroom,
 )
 from rankguard_operator.core.policy.tunables import CRASH_TRIGGERS, DEFAULT_START_UTILIZATION
@@ -79,5 +80,6 @@ __all__ = [
     "decide",
     "next_last_known_good",
     "track_ample_headroom",
+    "track_ample_lowest",
     "track_low_headroom",
 ]

@@ -47,6 +47,7 @@ class PolicyInput:
     plan: Plan | None = None  # budget.bounds.initial_plan(spec, measured=...) or None
     low_headroom_since: float | None = None  # track_low_headroom
     ample_headroom_since: float | None = None  # track_ample_headroom
+    ample_headroom_lowest: int | None = None  # track_ample_lowest: the stretch's least free bytes
     budget_key: str | None = None  # budget.bounds.budget_key(spec) when `current` was chosen; None: unknown
     node_memory_bytes: int | None = None  # the node's allocatable memory, a cap for raising the limit
 

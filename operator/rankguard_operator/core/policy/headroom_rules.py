@@ -20,6 +20,7 @@ from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.tunables import (
     BAD_BUDGET_MEMORY_SECONDS,
     GROW_VERIFY_SECONDS,
+    HEADROOM_JITTER_BYTES,
     LOW_HEADROOM_SUSTAIN_SECONDS,
     MIN_CHANGE_BYTES,
     RECLAIM_AFTER_SECONDS,
@@ -80,7 +81,12 @@ def rule_low_headroom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision 
         f"minimum headroom {format_bytes(minimum)}, for {lasted:.0f}s"
     )
     deficit = minimum - b.min_free_bytes
-    margin = spec.memory.safety_margin_bytes
+    # The headroom is measured, so over a byte budget the shrink is the deficit and the jitter
+    # allowance, landing where reclaim would fill to; over a utilisation the budget it cuts from
+    # may be the plan's estimate, so the spec's safety margin covers that estimate's error.
+    exact = cur.kv_cache_memory_bytes is not None
+    margin = HEADROOM_JITTER_BYTES if exact else spec.memory.safety_margin_bytes
+    margin_text = "jitter allowance" if exact else "safety margin"
     if spec.memory.pinned:
         return replace(
             make_decision(
@@ -103,7 +109,7 @@ def rule_low_headroom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision 
     if eff is None:
         return None  # utilisation mode with nothing to convert from: the OOM rule will speak up
     base, base_text = eff
-    how = f" (headroom deficit {format_bytes(deficit)} plus the {format_bytes(margin)} safety margin)"
+    how = f" (headroom deficit {format_bytes(deficit)} plus the {format_bytes(margin)} {margin_text})"
     if cur.kv_cache_memory_bytes is None:
         how += f"; switching from gpu-memory-utilization to bytes, starting from {base_text}"
     return budget_change(
@@ -192,18 +198,25 @@ def rule_reclaim(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | Non
     b = obs.bottleneck
     assert b is not None
     unit = block_unit(inp.plan)
-    ceiling = kv_ceiling(spec, inp.plan)
+    if kv_ceiling(spec, inp.plan) is None:
+        return None  # no plan and no spec.remediation.maxKVCacheBytes: never grow blind
+    # The stretch's lowest free memory is measured under serving and already holds the engine's
+    # worst transients: vLLM runs its profile pass at max-num-batched-tokens and warms the
+    # sampler at max-num-seqs at start-up, and PyTorch's caching allocator keeps those blocks
+    # reserved, so NVML counts them. It therefore replaces the plan's prior ceiling; without it
+    # (a stretch begun before the operator tracked its lowest) the prior still caps the grow.
+    tracked = inp.ample_headroom_lowest
+    ceiling = kv_ceiling(spec, None if tracked is not None else inp.plan)
     bad = bad_budget_cap(inp, unit)
     if bad is not None:
         ceiling = bad if ceiling is None else min(ceiling, bad)
-    if ceiling is None:
-        return None  # no plan and no spec.remediation.maxKVCacheBytes: never grow blind
-    margin = spec.memory.safety_margin_bytes
-    step = round_down((b.min_free_bytes - margin) // 2, unit)
-    target = min(kv + step, ceiling)
+    lowest = b.min_free_bytes if tracked is None else min(b.min_free_bytes, tracked)
+    keep = spec.memory.min_headroom_bytes + HEADROOM_JITTER_BYTES
+    step = round_down(lowest - keep, unit)
+    target = kv + step if ceiling is None else min(kv + step, ceiling)
     if target - kv < max(MIN_CHANGE_BYTES, unit):
         return None
-    capped = f", capped at {format_bytes(ceiling)}" if target == ceiling and kv + step > ceiling else ""
+    capped = f", capped at {format_bytes(target)}" if target < kv + step else ""
     return budget_change(
         inp,
         "grow",
@@ -212,8 +225,8 @@ def rule_reclaim(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | Non
         trigger=T_RECLAIM,
         why=f"every rank has kept at least {format_bytes(threshold)} free for "
         f"{(inp.now - since) / 60:.0f} min "
-        f"(bottleneck rank {b.rank}: {format_bytes(b.min_free_bytes)})",
+        f"(bottleneck rank {b.rank}: at least {format_bytes(lowest)})",
         rank=b.rank,
-        how=f" (half the bottleneck's {format_bytes(b.min_free_bytes - margin)} above the safety "
-        f"margin{capped})",
+        how=f" (filling the bottleneck's lowest free memory, less the minimum headroom and "
+        f"{format_bytes(HEADROOM_JITTER_BYTES)} of jitter, in whole blocks{capped})",
     )

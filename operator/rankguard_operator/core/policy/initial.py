@@ -77,6 +77,19 @@ def initial_decision(inp: PolicyInput, trigger: str) -> Decision:
         capped = f", capped at spec.remediation.maxKVCacheBytes {format_bytes(ceiling)}"
     source = "the probe's measurements" if is_measured(plan) else "priors"
     b = plan.ranks[plan.bottleneck_rank]
+    if target < floor and plan.feasible and floor == plan.min_kv_cache_memory_bytes:
+        # The priors and the margin leave less than one request, but the least each rank can
+        # need leaves room for it (planner: `feasible`): vLLM serves such setups (a 72B model at
+        # TP2 on 80 GB cards), so start at one request and let the measurements decide.
+        return start(
+            "BudgetAtOneRequest",
+            f"the planned per-GPU KV budget {format_bytes(target)} (from {source}; rank {b.rank} is the "
+            f"bottleneck) is below one request at max_model_len ({format_bytes(floor)}), but the "
+            "least the ranks need beside the KV cache leaves room for it; starting at one request. "
+            "rankguard measures every rank and grows the budget when live headroom allows",
+            kv=floor,
+            rank=b.rank,
+        )
     if target < floor:
         return make_decision(
             inp,

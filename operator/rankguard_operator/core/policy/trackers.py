@@ -46,6 +46,20 @@ def track_ample_headroom(
     return None
 
 
+def track_ample_lowest(
+    prev_lowest: int | None, prev_since: float | None, since: float | None, observation: Observation | None
+) -> int | None:
+    """The least free memory the bottleneck rank has had during the current ample stretch
+    (`since`, from track_ample_headroom): what reclaim fills up to. A new stretch starts it
+    over; stale or missing data keeps it as it was."""
+    if since is None:
+        return None
+    b = observation.bottleneck if observation is not None and observation.has_fresh_data else None
+    if prev_since != since or prev_lowest is None:
+        return None if b is None else b.min_free_bytes
+    return prev_lowest if b is None else min(prev_lowest, b.min_free_bytes)
+
+
 def next_last_known_good(
     prev: ServingFlags | None,
     current: ServingFlags | None,

@@ -14,6 +14,14 @@ LOW_HEADROOM_SUSTAIN_SECONDS = 60.0
 # Reclaim needs headroom to stay ample for a long, load-varied stretch before spending a roll.
 RECLAIM_AFTER_SECONDS = 1800.0
 RECLAIM_HEADROOM_FACTOR = 2  # "ample" = every rank >= 2 × minHeadroomBytes
+# Live headroom moves the budget to one point: the least free memory the bottleneck had, less
+# minHeadroomBytes and this much. Reclaim fills up to it after a 30-minute stretch of ample
+# headroom; a sustained dip under the line shrinks down to it. NVML's free figure moves by a few
+# MiB between samples (allocator segments, driver bookkeeping), and a budget that lands exactly
+# on the line would shrink again at the first jitter. One move, not a walk by halves: the low
+# already includes the peak batch's transients (PyTorch's caching allocator keeps its peak
+# reserved, so NVML sees it), so the rest is what the engine does not use.
+HEADROOM_JITTER_BYTES = 64 * MiB
 # A roll restarts a replica; changes smaller than this are not worth one (replan, reclaim).
 MIN_CHANGE_BYTES = 256 * MiB
 # How long after a grow a drop of the bottleneck below the minimum counts as the grow's fault.

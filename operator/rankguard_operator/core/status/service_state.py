@@ -80,6 +80,7 @@ class ServiceState:
     pending: PendingRemediation | None = None
     low_headroom_since: float | None = None
     ample_headroom_since: float | None = None
+    ample_headroom_lowest: int | None = None  # the bottleneck's least free bytes in that stretch
     unschedulable_since: float | None = None  # core/observe/blockers' clock
     stuck_since: float | None = None  # core/observe/pod_blockers' clock
     budget_key: str | None = None
@@ -133,6 +134,7 @@ class ServiceState:
             pending=PendingRemediation.from_status(s.get("pendingRemediation")),
             low_headroom_since=_since(s.get("lowHeadroomSince")),
             ample_headroom_since=_since(s.get("ampleHeadroomSince")),
+            ample_headroom_lowest=_positive_int(s.get("ampleHeadroomLowestBytes")),
             unschedulable_since=_since(s.get("unschedulableSince")),
             stuck_since=_since(s.get("stuckSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,

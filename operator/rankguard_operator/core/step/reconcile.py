@@ -288,6 +288,9 @@ class _Pass:
         rollout = pods.rollout_state(self.deployment, current_hash or "") if self.deployment else None
         low_since = policy.track_low_headroom(state.low_headroom_since, observation, spec, w.now)
         ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, w.now)
+        ample_lowest = policy.track_ample_lowest(
+            state.ample_headroom_lowest, state.ample_headroom_since, ample_since, observation
+        )
         # the tightest rank's headroom over hours, for the MemoryCreep condition only (the policy
         # never reads it); any vLLM run that ended starts it over
         trend = memory_trend.track(
@@ -351,6 +354,7 @@ class _Pass:
                 plan=plan,
                 low_headroom_since=low_since,
                 ample_headroom_since=ample_since,
+                ample_headroom_lowest=ample_lowest,
                 budget_key=state.budget_key if self.current is not None else None,
             )
         )
@@ -488,6 +492,7 @@ class _Pass:
                 "handledTerminations": list(self.handled),
                 "lowHeadroomSince": iso_or_none(low_since),
                 "ampleHeadroomSince": iso_or_none(ample_since),
+                "ampleHeadroomLowestBytes": ample_lowest,
                 "unschedulableSince": iso_or_none(unscheduled.since),
                 "stuckSince": iso_or_none(stuck.since),
                 "serviceApplied": True,
