@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_sim.fake_vllm.args import parse_args
 from rankguard_sim.physics.scenario_data import GIB
 from rankguard_sim.physics.scenario_file import load_scenario
 from strategies_runner import (
@@ -78,16 +79,6 @@ def render_table(rows: Sequence[ScenarioComparison]) -> str:
     return "\n".join(lines)
 
 
-def kv_bytes_of(argv: Sequence[str]) -> int | None:
-    """--kv-cache-memory-bytes in a `vllm serve` command line (either spelling), or None."""
-    for i, a in enumerate(argv):
-        if a.startswith("--kv-cache-memory-bytes="):
-            return int(a.split("=", 1)[1])
-        if a == "--kv-cache-memory-bytes" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    return None
-
-
 def _gib(n: int | None) -> str:
     return "util" if n is None else f"{n / GIB:.2f}"
 
@@ -103,7 +94,8 @@ def render_path(rows: Sequence[ScenarioComparison]) -> str:
     for c in rows:
         rg = c.rankguard
         true_bytes = c.truth.num_gpu_blocks * c.block_bytes
-        path = [kv_bytes_of(argv) for argv in rg.argvs]  # each start's budget (None: a utilisation)
+        # each start's budget, read by the fake vLLM's parser (None: a utilisation)
+        path = [parse_args(argv).kv_cache_memory_bytes for argv in rg.argvs]
         first = path[0] if path else None
         planned = "util" if first is None else f"{first / GIB:.2f} GiB ({100 * first / true_bytes:.1f} %)"
         lines.append(

@@ -197,23 +197,19 @@ def rule_reclaim(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | Non
         return None
     b = obs.bottleneck
     assert b is not None
-    unit = block_unit(inp.plan)
-    if kv_ceiling(spec, inp.plan) is None:
+    if inp.plan is None and spec.remediation.max_kv_cache_bytes is None:
         return None  # no plan and no spec.remediation.maxKVCacheBytes: never grow blind
+    unit = block_unit(inp.plan)
     # The stretch's lowest free memory is measured under serving and already holds the engine's
     # worst transients: vLLM runs its profile pass at max-num-batched-tokens and warms the
     # sampler at max-num-seqs at start-up, and PyTorch's caching allocator keeps those blocks
     # reserved, so NVML counts them. It therefore replaces the plan's prior ceiling; without it
     # (a stretch begun before the operator tracked its lowest) the prior still caps the grow.
     tracked = inp.ample_headroom_lowest
-    ceiling = kv_ceiling(spec, None if tracked is not None else inp.plan)
-    bad = bad_budget_cap(inp, unit)
-    if bad is not None:
-        ceiling = bad if ceiling is None else min(ceiling, bad)
+    caps = [kv_ceiling(spec, None if tracked is not None else inp.plan), bad_budget_cap(inp, unit)]
     lowest = b.min_free_bytes if tracked is None else min(b.min_free_bytes, tracked)
-    keep = spec.memory.min_headroom_bytes + HEADROOM_JITTER_BYTES
-    step = round_down(lowest - keep, unit)
-    target = kv + step if ceiling is None else min(kv + step, ceiling)
+    step = round_down(lowest - spec.memory.min_headroom_bytes - HEADROOM_JITTER_BYTES, unit)
+    target = min([kv + step, *(c for c in caps if c is not None)])
     if target - kv < max(MIN_CHANGE_BYTES, unit):
         return None
     capped = f", capped at {format_bytes(target)}" if target < kv + step else ""
