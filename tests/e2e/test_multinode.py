@@ -237,4 +237,9 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
     events = client.CoreV1Api(api).list_namespaced_event(ns, field_selector=f"involvedObject.name={NAME}")
     said = [f"{e.reason}: {e.message}" for e in events.items]
     assert [t for t in group_watch.both_down if t > roll_started] == [], said  # never both down at once
-    assert group_watch.mixed == []  # no moment, from the first pod on, with two sets in one group
+    history = [
+        (r["trigger"], r["action"], r.get("fromFlags"), r.get("toFlags"))
+        for r in (get_llmservice(api, ns, NAME).get("status") or {}).get("remediations") or []
+    ]
+    # no moment, from the first pod on, with two sets in one group
+    assert group_watch.mixed == [], (group_watch.mixed, history, said)
