@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rankguard_agent.wire.recognisers import AVAILABLE_KV, KVObservation, recognise
 from rankguard_agent.wire.termination import CUDA_OOM
 from rankguard_operator.core.budget.bounds import (
     block_unit,
@@ -39,6 +38,7 @@ from rankguard_operator.core.budget.bounds import (
     round_down,
     utilization_kv_bytes,
 )
+from rankguard_operator.core.observe.pods import kv_bytes_from_line
 from rankguard_operator.core.policy.tunables import UNKNOWN_DEFICIT_FRACTION, UNKNOWN_DEFICIT_MIN_BYTES
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.fake_vllm.args import parse_args
@@ -147,11 +147,11 @@ def kv_only_next(
     unit, floor = block_unit(plan), kv_floor(spec, plan)
     ns = parse_args(argv)
     current: int | None = ns.kv_cache_memory_bytes
-    reported = recognise(message.last_kv_line or "")
+    reported = kv_bytes_from_line(message.last_kv_line)
     if current is not None:
         base = current
-    elif isinstance(reported, KVObservation) and reported.kind == AVAILABLE_KV:
-        base = int(reported.value)
+    elif reported is not None:
+        base = reported
     elif plan is not None:
         base = utilization_kv_bytes(plan, ns.gpu_memory_utilization, message.rank)
     else:

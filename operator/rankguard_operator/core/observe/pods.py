@@ -140,7 +140,8 @@ class Termination:
         return max(0, self.requested_bytes - self.free_bytes)
 
 
-def _kv_bytes_from_line(line: str | None) -> int | None:
+def kv_bytes_from_line(line: str | None) -> int | None:
+    """The bytes of a termination's `last_kv_line` when it is vLLM's "Available KV cache memory"."""
     if not line:
         return None
     seen = recognise(line)
@@ -198,7 +199,7 @@ def _classify(terminated: Mapping[str, Any], *, group_pod: bool = False) -> dict
             "free_bytes": msg.free_bytes,
             "total_bytes": msg.total_bytes,
             "message": msg.detail or msg.reason,
-            "kv_cache_bytes": _kv_bytes_from_line(msg.last_kv_line),
+            "kv_cache_bytes": kv_bytes_from_line(msg.last_kv_line),
             "startup_refusal": msg.startup_check,
             "external_weight_bytes": msg.external_weight_bytes if msg.startup_check else None,
             "phase": msg.phase,
