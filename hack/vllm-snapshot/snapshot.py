@@ -4,7 +4,9 @@ Runs INSIDE a venv that has the real `vllm` installed (see run.sh, which makes t
 nothing here is typed from memory: options come from vLLM's own parser object, format strings
 from the installed source (file:line) and from torch's shared libraries, the KV facts from the
 config classes and the source line that proves them. If a fact cannot be found the script stops
-with the name of what is missing, so a new vLLM version is re-read, never guessed.
+with the name of what is missing, so a new vLLM version is re-read, never guessed. An older
+release may lack a message the recognisers know: only the keys ABSENT_MESSAGES lists for it
+(each checked in its source) are recorded as `absent`, with the reason. The CPU build: cpu_build.py.
 
     python snapshot.py OUT_DIR
 
@@ -24,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from surface import surface_snapshot  # this folder (the script's own directory is on sys.path)
+from cpu_build import is_cpu_build, py_messages, release_meta  # this folder (on sys.path)
+from surface import surface_snapshot
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -107,6 +110,29 @@ LIB_FORMATS: dict[str, tuple[str, str]] = {
     "store_clients_timeout": ("libtorch_cpu.so", "seconds waiting for clients. {}/{} clients joined."),
     "client_connect_timeout": ("libtorch_cpu.so", "while trying to connect to ({}, {})."),
 }
+# The release the recognisers were written against: every key above must be found in it.
+STRICT_VERSION = "0.33.0"
+# Keys an OLDER release really lacks (the message came later), each confirmed by grepping that
+# release's installed source for the message's words, not only for the fragment. Recorded in its
+# formats.json as `absent` with the reason; any other key that is not found still stops the
+# script (the fragment moved or was reworded: re-read it), and so does a key listed here that is found.
+# A torch key is absent when the torch that release installs has no such string in torch/lib/*.so.
+_NO_EXTERNAL_WEIGHTS = dict.fromkeys(
+    ("startup_external_weights", "startup_free_external"),
+    "vllm/v1/worker/utils.py: request_memory() has no external_weight_memory parameter yet; "
+    "its only refusal is the free-memory one (startup_free_too_low)",
+)
+_NO_OUTSIDE_ALLOCATOR_OOM = (
+    'torch {torch} (vLLM {vllm}\'s): no "ran out of memory outside" string in any torch/lib/*.so; '
+    "the message came with a later torch"
+)
+ABSENT_MESSAGES: dict[str, dict[str, str]] = {
+    vllm: {
+        **(_NO_EXTERNAL_WEIGHTS if vllm in ("0.30.0", "0.31.0") else {}),
+        "torch_oom_outside_allocator": _NO_OUTSIDE_ALLOCATOR_OOM.format(torch=torch, vllm=vllm),
+    }
+    for vllm, torch in (("0.30.0", "2.13.0"), ("0.31.0", "2.13.0"), ("0.32.0", "2.13.0"))
+}
 # The source line that proves the block pool holds one block back (the "null block").
 NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
 # The download-time line is logged only above a threshold: `if time_taken > X:` around it.
@@ -155,15 +181,18 @@ def _jsonable(v: Any) -> Any:
 
 def serve_parser() -> Any:
     """`vllm serve`'s own parser object, as the console script builds it."""
-    from vllm.entrypoints.common.cli_args import make_arg_parser
+    # the `make_arg_parser` the serve subcommand itself calls (its module moved between releases)
+    from vllm.entrypoints.cli.serve import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
 def cli_snapshot() -> dict[str, Any]:
-    from vllm.utils.argparse_utils import EnableDisableAction
+    from vllm.utils import argparse_utils
 
+    # vLLM's `--enable-x`/`--disable-x` switch; a release without it has argparse's `--no-x` alone
+    enable_disable = getattr(argparse_utils, "EnableDisableAction", argparse.BooleanOptionalAction)
     parser = serve_parser()
     # every registered spelling, hidden ones included (`--no-enable-x`)
     spellings: dict[int, list[str]] = {}
@@ -182,7 +211,7 @@ def cli_snapshot() -> dict[str, Any]:
             argparse._AppendAction: "append",
             argparse._StoreTrueAction: "true",
             argparse._StoreFalseAction: "false",
-            EnableDisableAction: "switch",
+            enable_disable: "switch",
             argparse.BooleanOptionalAction: "switch",
         }.get(type(action), "custom")
         entry: dict[str, Any] = {
@@ -198,7 +227,7 @@ def cli_snapshot() -> dict[str, Any]:
             entry["negative_option_strings"] = sorted(
                 s
                 for s in spellings[id(action)]
-                if s in action.negative_option_strings or s.startswith("--no-")
+                if s in getattr(action, "negative_option_strings", ()) or s.startswith("--no-")
             )
         options.append(entry)
     options.sort(key=lambda o: o["dest"])
@@ -247,12 +276,12 @@ def _literals(tree: ast.AST) -> list[tuple[int, ast.expr]]:
     return found
 
 
-def python_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
-    wanted = {k: [] for k in PY_MESSAGES}  # type: dict[str, list[dict[str, Any]]]
+def python_messages(site: Path, searched: dict[str, tuple[str, str]]) -> dict[str, list[dict[str, Any]]]:
+    wanted = {k: [] for k in searched}  # type: dict[str, list[dict[str, Any]]]
     root = site / "vllm"
     for path in sorted(root.rglob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
-        if not any(PY_MESSAGE_ANCHORS.get(k, frag) in text for k, (_, frag) in PY_MESSAGES.items()):
+        if not any(PY_MESSAGE_ANCHORS.get(k, frag) in text for k, (_, frag) in searched.items()):
             continue
         tree = ast.parse(text)
         # f-string parts are Constants too: skip those, keep the whole JoinedStr
@@ -264,7 +293,7 @@ def python_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
             if t is None:
                 continue
             style, template, exprs = t
-            for key, (_, frag) in PY_MESSAGES.items():
+            for key, (_, frag) in searched.items():
                 if frag in template:
                     wanted[key].append(
                         {
@@ -275,10 +304,7 @@ def python_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
                             "exprs": exprs,
                         }
                     )
-    missing = [k for k, v in wanted.items() if not v]
-    if missing:
-        sys.exit(f"snapshot: no message found in vLLM's source for {missing}; re-read the recognisers")
-    return wanted
+    return wanted  # a key with no message is [] (formats() decides whether that may be)
 
 
 def _strings(data: bytes, min_len: int = 12) -> list[str]:
@@ -290,9 +316,7 @@ def library_messages(site: Path) -> dict[str, list[dict[str, Any]]]:
     for key, (lib, frag) in LIB_MESSAGES.items():
         path = site / "torch" / "lib" / lib
         hits = sorted({s for s in _strings(path.read_bytes()) if frag in s})
-        if not hits:
-            sys.exit(f"snapshot: {frag!r} not found in {path}")
-        out[key] = [
+        out[key] = [  # none found: [] (formats() decides whether that may be)
             {
                 "file": str(path.relative_to(site)),
                 "line": None,
@@ -355,8 +379,14 @@ def download_log_threshold(site: Path) -> dict[str, Any]:
 
 
 def engine_facts(site: Path) -> dict[str, Any]:
+    from typing import get_args
+
     from torch.distributed.constants import default_pg_nccl_timeout
-    from vllm.config.cache import KV_CACHE_DTYPES, CacheConfig
+    from vllm.config import cache
+
+    # KV_CACHE_DTYPES (a list plugins may extend) is the CacheDType Literal's values; a release
+    # without that list accepts the Literal's values alone
+    dtypes = getattr(cache, "KV_CACHE_DTYPES", None) or list(get_args(cache.CacheDType))
 
     rel, evidence = NULL_BLOCK_EVIDENCE
     lines = (site / rel).read_text(encoding="utf-8").splitlines()
@@ -364,8 +394,8 @@ def engine_facts(site: Path) -> dict[str, Any]:
     if len(where) != 1:
         sys.exit(f"snapshot: the null-block line {evidence!r} is not in {rel} exactly once; re-read it")
     return {
-        "default_block_size": CacheConfig.DEFAULT_BLOCK_SIZE,
-        "kv_cache_dtypes": list(KV_CACHE_DTYPES),
+        "default_block_size": cache.CacheConfig.DEFAULT_BLOCK_SIZE,
+        "kv_cache_dtypes": list(dtypes),
         "null_blocks": 1,
         "null_block_source": {"file": rel, "line": where[0], "text": evidence},
         "weights_download_log": download_log_threshold(site),
@@ -378,6 +408,22 @@ def engine_facts(site: Path) -> dict[str, Any]:
     }
 
 
+def formats(site: Path, version: str) -> dict[str, Any]:
+    """formats.json: every recognised message, and the keys an older release (or its CPU build) lacks."""
+    messages = {**python_messages(site, py_messages(PY_MESSAGES)), **library_messages(site)}
+    missing = sorted(k for k, v in messages.items() if not v)
+    absent = ABSENT_MESSAGES.get(version, {}) if version != STRICT_VERSION else {}
+    if missing != sorted(absent):
+        sys.exit(
+            f"snapshot: vLLM {version}: no message found for {sorted(set(missing) - set(absent))}, "
+            f"found {sorted(set(absent) - set(missing))} listed as absent; re-read the recognisers"
+        )
+    doc: dict[str, Any] = {"messages": {k: v for k, v in messages.items() if v}}
+    if absent:
+        doc["absent"] = dict(sorted(absent.items()))  # key -> why this release has no such message
+    return doc
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -385,16 +431,15 @@ def main() -> None:
 
     site = Path(vllm.__file__).resolve().parent.parent
     meta = {
-        "vllm_version": importlib.metadata.version("vllm"),
+        **release_meta(),  # vllm_version (the CPU build's is VERSION+cpu) and generated_by
         "torch_version": importlib.metadata.version("torch"),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "generated_by": "hack/vllm-snapshot/run.sh " + importlib.metadata.version("vllm"),
     }
     docs = {
         "cli.json": {**meta, **cli_snapshot()},
-        "formats.json": {**meta, "messages": {**python_messages(site), **library_messages(site)}},
+        "formats.json": {**meta, **formats(site, meta["vllm_version"].split("+")[0])},
         "engine.json": {**meta, **engine_facts(site)},
-        "surface.json": {**meta, **surface_snapshot(serve_parser(), site)},
+        "surface.json": {**meta, **surface_snapshot(serve_parser(), site, is_cpu_build())},
     }
     for name, doc in docs.items():
         (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")

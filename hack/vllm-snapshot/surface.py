@@ -11,7 +11,9 @@ Imported by snapshot.py (runs INSIDE the venv with the real vLLM). Writes `surfa
   also takes by member name carries the names that validate (`x-names`).
 - `attention_block_sizes`: for each attention backend vLLM's CUDA platform tries for
   non-MLA models (`_get_backend_priorities`), the block sizes from a candidate list its own
-  `supports_block_size` accepts.
+  `supports_block_size` accepts. The CPU build (cpu_build.py) lacks some of their modules: there
+  the ones that import are recorded, the others in `attention_backends_absent` with the import
+  error, and the CPU platform's own backend in `cpu_attention`.
 - `world_size`: the ParallelConfig fields whose product is vLLM's world size (read from the
   assignment in `ParallelConfig.__post_init__`), with the source line.
 - `endpoint_dests`: the options the serve command and the API server's socket setup read to
@@ -140,7 +142,7 @@ def json_options(parser: Any) -> dict[str, Any]:
     return out
 
 
-def attention_block_sizes(site: Path) -> dict[str, Any]:
+def attention_block_sizes(site: Path, cpu: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     # vllm.platforms.cuda needs libcuda to import: its priority list is read from the source
     # (every backend named in the non-MLA branch of `_get_backend_priorities`), the backends'
     # classes import without a GPU.
@@ -160,10 +162,17 @@ def attention_block_sizes(site: Path) -> dict[str, Any]:
     if not names:
         raise SystemExit(f"snapshot: no non-MLA backend in {rel}:_get_backend_priorities; re-read it")
     out: dict[str, Any] = {}
+    absent: dict[str, str] = {}  # CPU build only: backend -> why its module does not import
     for name in names:
-        cls = AttentionBackendEnum[name].get_class()
+        try:
+            cls = AttentionBackendEnum[name].get_class()
+        except ImportError as e:
+            if not cpu:
+                raise  # a GPU release has every backend its CUDA platform names
+            absent[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            continue
         out[name] = [b for b in CANDIDATE_BLOCK_SIZES if cls.supports_block_size(b)]
-    return out
+    return out, absent
 
 
 def world_size(site: Path) -> dict[str, Any]:
@@ -223,16 +232,23 @@ def endpoint_dests(site: Path, dests: set[str]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(found.items())}
 
 
-def surface_snapshot(parser: Any, site: Path) -> dict[str, Any]:
+def surface_snapshot(parser: Any, site: Path, cpu: bool = False) -> dict[str, Any]:
     helps = sorted(s for a in parser._actions if type(a).__name__ == "_HelpAction" for s in a.option_strings)
     if not helps:
         raise SystemExit("snapshot: the serve parser has no help action")
     dests = {a.dest for a in parser._actions if a.option_strings}
-    return {
+    backends, absent = attention_block_sizes(site, cpu)
+    doc = {
         "help_options": helps,
         "json_options": json_options(parser),
-        "attention_block_sizes": attention_block_sizes(site),
+        "attention_block_sizes": backends,
         "world_size": world_size(site),
         "endpoint_dests": endpoint_dests(site, dests),
         "memory_dests": sorted(d for d in dests if MEMORY_NAME.search(d)),
     }
+    if cpu:
+        from cpu_build import cpu_attention
+
+        doc["attention_backends_absent"] = absent
+        doc["cpu_attention"] = cpu_attention(site, CANDIDATE_BLOCK_SIZES)
+    return doc

@@ -173,6 +173,20 @@ def install_crd(cp: ControlPlane, timeout: float = 60) -> None:
     )
 
 
+@contextlib.contextmanager
+def operator_running(cp: ControlPlane, log: Path, env_extra: dict[str, str]) -> Iterator[OperatorProcess]:
+    """The CRD installed and `python -m rankguard_operator` serving `cp` until the block ends (a
+    test tier's session operator; `env_extra` names the namespaces it watches)."""
+    install_crd(cp)
+    op = OperatorProcess(cp.kubeconfig, log, env_extra=env_extra)
+    op.start()
+    try:
+        op.wait_ready()
+        yield op
+    finally:
+        op.stop()
+
+
 def start_node(
     api: Any,
     workdir: Path,

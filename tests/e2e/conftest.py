@@ -21,7 +21,7 @@ from rankguard_sim.world import (
     Node,
     OperatorProcess,
     create_namespace,
-    install_crd,
+    operator_running,
     start_node,
     wait_node_schedulable,
 )
@@ -44,20 +44,11 @@ __all__ = [
 def operator_process(
     cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    install_crd(cluster)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(
-        cluster.kubeconfig,
-        log,
-        # an agent missing for 15 s is reported (60 s by default), so that story runs in time
-        env_extra={"RANKGUARD_WATCH_NAMESPACES": "e2e-*", "RANKGUARD_AGENT_UNAVAILABLE_AFTER": "15"},
-    )
-    op.start()
-    try:
-        op.wait_ready()
+    # an agent missing for 15 s is reported (60 s by default), so that story runs in time
+    env = {"RANKGUARD_WATCH_NAMESPACES": "e2e-*", "RANKGUARD_AGENT_UNAVAILABLE_AFTER": "15"}
+    with operator_running(cluster, log, env) as op:
         yield op
-    finally:
-        op.stop()
 
 
 @pytest.fixture

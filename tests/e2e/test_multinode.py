@@ -167,11 +167,15 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
     # 1. Under load the headless pod's rank 8 runs out; the budget is cut, both groups replaced.
     def remediated() -> dict[str, Any] | None:
         svc = _ready_groups(api, ns)
-        rems = ((svc or {}).get("status") or {}).get("remediations") or []
-        return svc if any(r["trigger"] == "CUDAOutOfMemory" for r in rems) else None
+        st = (svc or {}).get("status") or {}
+        rems = st.get("remediations") or []
+        # and the load is back on the new groups: the last stage (the logits) is the bottleneck
+        # again; just after the groups turn Ready, rank 0's API-server context can be the lowest
+        loaded = st.get("bottleneckStage") == 1
+        return svc if loaded and any(r["trigger"] == "CUDAOutOfMemory" for r in rems) else None
 
     svc = wait_for(
-        "a CUDA OOM on a worker pod remediated, both groups Ready",
+        "a CUDA OOM on a worker pod remediated, both groups Ready and loaded",
         remediated,
         420,
         dump=lambda: get_llmservice(api, ns, NAME).get("status"),

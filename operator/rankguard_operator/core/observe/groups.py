@@ -27,6 +27,17 @@ def _int(v: Any, default: int = 0) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else default
 
 
+def _controller_counts_none(sts: Mapping[str, Any] | None) -> bool:
+    """The StatefulSet controller has seen the set's latest spec and counts no pod of it
+    (`status.replicas` counts every pod it has, terminating ones too)."""
+    if sts is None:
+        return True
+    observed = _int(get_path(sts, "status", "observedGeneration"), -1)
+    return observed >= _int(get_path(sts, "metadata", "generation"), 0) and not _int(
+        get_path(sts, "status", "replicas"), 0
+    )
+
+
 def _name(obj: Mapping[str, Any]) -> str:
     return str(get_path(obj, "metadata", "name") or "")
 
@@ -92,8 +103,11 @@ class LiveGroup:
 
     @property
     def empty(self) -> bool:
-        """No pod of the group is left, not even one terminating."""
-        return not self.pods
+        """No pod of the group is left, not even one terminating: none in the pod watch, and none
+        in either set's own count for the scale-down its controller has seen. The pod watch alone
+        can miss a pod the StatefulSet controller created from the old template just before the
+        scale-down reached it; starting the group then would run two templates at once."""
+        return not self.pods and all(_controller_counts_none(s) for s in (self.leader, self.workers))
 
     def live_pods(self, template_hash: str | None) -> list[Mapping[str, Any]]:
         return [
