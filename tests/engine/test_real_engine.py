@@ -265,7 +265,8 @@ def test_the_real_engine_serves_rolls_refuses_and_stops(
         image_table=build_engine_image(tmp_path / "engine-image", engine.python, engine.site),
         delete_node_on_stop=True,
         grace_cap=30.0,
-        # the CPU image's ENV: the wheel's metadata does not tell vLLM which platform it is built for
+        # the CPU image's ENV (the engine venv's `+cpu` version label alone
+        # also makes vLLM pick its CPU platform)
         extra_env={"VLLM_TARGET_DEVICE": "cpu"},
     )
     with running(api, kubelet):
