@@ -94,3 +94,20 @@ def default_block_size() -> int:
 
 def kv_cache_dtypes() -> tuple[str, ...]:
     return tuple(str(d) for d in snapshot().engine["kv_cache_dtypes"])
+
+
+def switches_only_in(has: str, lacks: str) -> list[str]:
+    """The spellings of value-less options (store-true, on/off switches) that recorded release
+    `has` has and release `lacks` does not (by dest), and that `lacks`'s parser cannot read as an
+    abbreviation of one of its own flags: a flag one release refuses and the other accepts, found
+    in the snapshots rather than named by hand (tests of both tiers try it on rankguard and vLLM)."""
+    old = vllm_snapshots.load(lacks).cli["options"]
+    lacking = {o["dest"] for o in old}
+    spellings = {s for o in old for s in o["option_strings"]}
+    return sorted(
+        str(s)
+        for o in vllm_snapshots.load(has).cli["options"]
+        if o["dest"] not in lacking and o["kind"] in ("true", "switch")
+        for s in o["option_strings"]
+        if not s.startswith("--no-") and not any(x.startswith(s) for x in spellings)
+    )

@@ -96,13 +96,15 @@ def _serving_pods(api: client.ApiClient, ns: str, name: str) -> list[Any]:
     ]
 
 
+def _serves(pod: Any) -> bool:
+    """Ready, not terminating, with an IP: what the Service's endpoints hold."""
+    ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+    return ready and pod.metadata.deletion_timestamp is None and bool(pod.status.pod_ip)
+
+
 def _ready_pod(api: client.ApiClient, ns: str, name: str, *, not_named: set[str]) -> Any:
-    for p in _serving_pods(api, ns, name):
-        if p.metadata.name in not_named or not p.status.pod_ip:
-            continue
-        if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []):
-            return p
-    return None
+    pods = _serving_pods(api, ns, name)
+    return next((p for p in pods if p.metadata.name not in not_named and _serves(p)), None)
 
 
 def _through_service(api: client.ApiClient, ns: str, service: str) -> str:
@@ -114,8 +116,7 @@ def _through_service(api: client.ApiClient, ns: str, service: str) -> str:
     port = next(p for p in svc.spec.ports if p.name == "http")
     selector = ",".join(f"{k}={v}" for k, v in svc.spec.selector.items())
     for pod in core.list_namespaced_pod(ns, label_selector=selector).items:
-        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-        if not ready or pod.metadata.deletion_timestamp is not None or not pod.status.pod_ip:
+        if not _serves(pod):
             continue
         for c in pod.spec.containers:
             for cp in c.ports or []:
@@ -146,14 +147,18 @@ def _cache_config(metrics: str) -> dict[str, str]:
     return dict(re.findall(r'(\w+)="([^"]*)"', line))
 
 
+def _vllm_files(node: ProcessKubelet, ns: str, pod: str, name: str) -> list[Path]:
+    """The kubelet's files of a pod's vllm container (`pod` "*": every pod of the namespace)."""
+    return sorted((node.workdir / "pods").glob(f"{ns}_{pod}_*/containers/vllm/{name}"))
+
+
 def _container_log(node: ProcessKubelet, ns: str, pod: str) -> str:
-    logs = sorted((node.workdir / "pods").glob(f"{ns}_{pod}_*/containers/vllm/*.log"))
-    return "".join(p.read_text(errors="replace") for p in logs)
+    return "".join(p.read_text(errors="replace") for p in _vllm_files(node, ns, pod, "*.log"))
 
 
 def _termination(node: ProcessKubelet, ns: str, pod: str) -> dict[str, Any]:
     """What the agent's launcher wrote to the container's termination log (rankguard's own format)."""
-    (path,) = (node.workdir / "pods").glob(f"{ns}_{pod}_*/containers/vllm/termination-log")
+    (path,) = _vllm_files(node, ns, pod, "termination-log")
     return dict(json.loads(path.read_text()))
 
 
@@ -335,7 +340,7 @@ def test_the_real_engine_serves_rolls_refuses_and_stops(
 
         def refused() -> dict[str, Any] | None:
             # the kubelet's own record of every run (the refused pod may be gone by now: rolled back)
-            for path in sorted((kubelet.workdir / "pods").glob(f"{ns}_*/containers/vllm/termination-log")):
+            for path in _vllm_files(kubelet, ns, "*", "termination-log"):
                 with contextlib.suppress(ValueError):
                     t = json.loads(path.read_text())
                     if t.get("reason") == "EngineError":

@@ -19,6 +19,7 @@ import yaml
 
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.names import VLLM_CONTAINER
+from rankguard_sim.vllm_snapshot import switches_only_in
 
 from .conftest import Engine
 
@@ -52,23 +53,6 @@ def _render(tmp_path: Path, doc: dict[str, Any], *check: str) -> subprocess.Comp
     )
 
 
-def _new_flag(release: str) -> str:
-    """A value-less option of the newest recorded vLLM that `release` does not have (by dest), and
-    that `release`'s parser cannot read as an abbreviation of one of its own."""
-    old = vllm_snapshots.for_engine(release).snapshot.cli["options"]
-    lacking = {o["dest"] for o in old}
-    spellings = {s for o in old for s in o["option_strings"]}
-    flags = sorted(
-        s
-        for o in vllm_snapshots.latest().cli["options"]
-        if o["dest"] not in lacking and o["kind"] in ("true", "switch")
-        for s in o["option_strings"]
-        if not s.startswith("--no-") and not any(x.startswith(s) for x in spellings)
-    )
-    assert flags, f"no value-less option of vLLM {NEWEST} that {release} lacks"
-    return str(flags[0])
-
-
 def _served_argv(rendered: str) -> list[str]:
     """The `vllm serve …` command the agent's launcher runs (after its `--`)."""
     for doc in yaml.safe_load_all(rendered):
@@ -84,7 +68,9 @@ def test_a_flag_the_release_lacks_stops_the_real_engine_and_rankguard_refuses_it
 ) -> None:
     release = vllm_snapshots.for_engine(engine.version).snapshot.version
     assert release != NEWEST, "the engine tier's release is the newest recorded one: no newer flag to try"
-    flag = _new_flag(release)
+    flags = switches_only_in(NEWEST, release)
+    assert flags, f"no value-less option of vLLM {NEWEST} that {release} lacks"
+    flag = flags[0]
     base = "{}.{}.{}".format(*(vllm_snapshots.version_key(engine.version) or (0, 0, 0)))
 
     # rendered for an image that has the flag: the command carries it

@@ -16,6 +16,7 @@ import yaml
 
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.engine.rules import rules_for_image
+from rankguard_sim.vllm_snapshot import switches_only_in
 
 RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
@@ -66,25 +67,6 @@ def test_an_older_release_accounts_for_every_message_the_newest_has(version: str
         assert why.strip() and old.messages(key) == []
 
 
-def _spellings(version: str) -> set[str]:
-    return {s for o in vllm_snapshots.load(version).cli["options"] for s in o["option_strings"]}
-
-
-def _only_in(has: str, lacks: str) -> list[str]:
-    """The flags of options (by dest) that release `has` has and `lacks` does not, that take no
-    value and that `lacks`'s parser cannot read as an abbreviation of one of its own flags."""
-    cli = vllm_snapshots.load(has).cli
-    lacking = {o["dest"] for o in vllm_snapshots.load(lacks).cli["options"]}
-    others = _spellings(lacks)
-    return sorted(
-        s
-        for o in cli["options"]
-        if o["dest"] not in lacking and o["kind"] in ("true", "switch")
-        for s in o["option_strings"]
-        if not s.startswith("--no-") and not any(x.startswith(s) for x in others)
-    )
-
-
 def _render_check(tmp_path: Path, version: str, flag: str) -> subprocess.CompletedProcess[str]:
     doc = copy.deepcopy(SERVICE)
     doc["spec"]["image"] = f"vllm/vllm-openai:v{version}"
@@ -103,7 +85,7 @@ def _render_check(tmp_path: Path, version: str, flag: str) -> subprocess.Complet
 @pytest.mark.parametrize(("has", "lacks"), [(NEWEST, OLDEST), (OLDEST, NEWEST)], ids=["new", "removed"])
 def test_a_flag_only_one_release_has_is_refused_for_the_other(tmp_path: Path, has: str, lacks: str) -> None:
     """new: an option 0.33.0 added since 0.30.0; removed: one 0.30.0 had that 0.33.0 dropped or renamed."""
-    flags = _only_in(has, lacks)
+    flags = switches_only_in(has, lacks)
     assert flags, f"no value-less option of vLLM {has} that {lacks} lacks"
     flag = flags[0]
     refused = _render_check(tmp_path, lacks, flag)

@@ -130,9 +130,13 @@ def latest() -> Snapshot:
     return load(_newest(versions()))
 
 
+def _plain(known: tuple[str, ...]) -> tuple[str, ...]:
+    """The releases' plain builds (no `+label`), in versions()' order; all of them if none is plain."""
+    return tuple(v for v in known if "+" not in v) or known
+
+
 def _newest(known: tuple[str, ...]) -> str:
-    plain = [v for v in known if "+" not in v]  # `known` is in versions()' order
-    return (plain or list(known))[-1]
+    return _plain(known)[-1]
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ def for_engine(version: str | None) -> Choice:
     exact = [v for v in known if version_key(v) == key]
     if exact:
         return Choice(load(exact[0]), None)
-    known = tuple(v for v in known if "+" not in v) or known
+    known = _plain(known)
     older = [v for v in known if (version_key(v) or (0, 0, 0)) < key]
     chosen = older[-1] if older else known[0]
     return Choice(
