@@ -6,6 +6,7 @@ remediation paths are in test_operator_remediation.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from functools import partial
@@ -313,3 +314,30 @@ def test_malformed_oversized_and_hostile_reports_are_counted_and_ignored(world: 
         assert status["bottleneck"] == "rank 1" and status["minHeadroom"] == "2Gi"
         assert world.generation("svc") == generation
         assert not world.warning_events("svc")
+
+
+def test_a_pass_for_a_service_that_is_gone_ends_its_loop(world: World) -> None:
+    """A daemon that outlives its LLMService (deleted at once, without kopf's finalizer under
+    way: kopf stops daemons only for a deletion it sees in progress) must stop, not keep
+    re-creating a Deployment the garbage collector removes again. Its status write answers 404:
+    the pass raises ServiceGone, which ends the loop (edge/handlers)."""
+    from rankguard_operator.core.step import Settings
+    from rankguard_operator.edge.executor import Seen, ServiceExecutor
+
+    body = world.create(service_doc("gone", free_port()))  # no operator runs: no finalizer
+    world.custom.delete_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL, "gone")
+    wait_for(
+        "the LLMService to be gone",
+        lambda: not world.custom.list_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL).get("items"),
+    )
+    k8s.login()
+    executor = ServiceExecutor("gone", world.ns, Settings(agent_image=DEFAULT_AGENT_IMAGE))
+
+    async def one_pass() -> None:
+        try:
+            await executor.run_once(Seen(body=body, pods=[], deployment=None, replicaset_owner={}))
+        finally:
+            await executor.close()
+
+    with pytest.raises(k8s.ServiceGone, match="gone"):
+        asyncio.run(one_pass())

@@ -59,7 +59,10 @@ def _service(
             "image": image,
             "replicas": 1,
             "tensorParallelSize": 1,
-            "engine": {"maxNumSeqs": 8, "maxModelLen": 512, "enforceEager": True},
+            # float32, the checkpoint's own dtype: vLLM's CPU default (bfloat16 where the CPU
+            # says AVX512-BF16) takes its AMX attention kernel on a CPU that lists AMX, and a VM
+            # that lists AMX without enabling it kills the engine's worker (SIGILL at `tilezero`)
+            "engine": {"maxNumSeqs": 8, "maxModelLen": 512, "enforceEager": True, "dtype": "float32"},
             "memory": {"kvCacheMemoryBytes": kv_bytes, "gpuMemoryBytes": gpu_bytes},
             "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "12Gi"}},
             "agent": {"probe": False, "sampleHz": 2},

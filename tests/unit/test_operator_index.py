@@ -1,9 +1,12 @@
-"""The pod index and the daemon agree on a service's key, whatever the LLMService's name."""
+"""The pod index and the daemon agree on a service's key, whatever the LLMService's name; the
+watch of LLMServices tells a running daemon that its service is gone."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, cast
 
+import kopf
 import pytest
 
 from rankguard_operator.core.budget.bounds import prior_plan
@@ -11,7 +14,7 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
-from rankguard_operator.edge.handlers import service_key, serving_pods
+from rankguard_operator.edge.handlers import _gone, _wakers, service_key, serving_pods, spec_changed
 
 SPEC = parse_spec(
     {
@@ -40,3 +43,20 @@ async def test_a_pod_rendered_for_a_service_is_indexed_under_the_key_the_daemon_
     indexed = await serving_pods(namespace="ns", labels=template["metadata"]["labels"], body=body)
     assert list(indexed) == [service_key("ns", name)]
     assert all(len(v) <= 63 for v in template["metadata"]["labels"].values())
+
+
+async def test_a_deleted_event_marks_a_running_daemons_service_gone_and_wakes_it() -> None:
+    """A service deleted at once (no deletion under way that kopf saw, so kopf stops no daemon)
+    still ends its daemon's loop: the DELETED event marks its UID gone and wakes the daemon. A
+    service whose daemon has already stopped (kopf's own path) is not remembered."""
+    memo = kopf.Memo()
+    wake = _wakers(memo).setdefault(service_key("ns", "llama"), {}).setdefault("llama", asyncio.Event())
+    body = cast(kopf.Body, {"metadata": {"name": "llama", "uid": "u-1", "generation": 1}, "status": {}})
+    await spec_changed(name="llama", namespace="ns", body=body, type="MODIFIED", memo=memo)
+    assert _gone(memo) == set() and wake.is_set()  # a spec edit only wakes it
+    wake.clear()
+    await spec_changed(name="llama", namespace="ns", body=body, type="DELETED", memo=memo)
+    assert _gone(memo) == {"u-1"} and wake.is_set()
+    other = cast(kopf.Body, {"metadata": {"name": "other", "uid": "u-2"}})
+    await spec_changed(name="other", namespace="ns", body=other, type="DELETED", memo=memo)
+    assert _gone(memo) == {"u-1"}

@@ -149,6 +149,8 @@ class ServiceExecutor:
         started = time.monotonic()
         try:
             return await self._run_once(seen)
+        except k8s.ServiceGone:
+            raise  # not a failure: the loop ends (edge/handlers)
         except k8s.ApiUnavailable:
             self._failed("api-unavailable")
             raise

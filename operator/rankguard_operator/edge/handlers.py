@@ -219,6 +219,16 @@ async def replicaset_owners(
     return {(namespace, meta.get("uid")): ref} if ref.owner_uid else {}
 
 
+def _gone(memo: kopf.Memo) -> set[str]:
+    """UIDs of LLMServices whose DELETED event has arrived while their daemon may still run.
+    kopf stops a daemon when it sees the deletion under way (its finalizer holds the object),
+    not when an object vanishes at once: one whose finalizer someone removed by hand, or deleted
+    before kopf's finalizer was written. Without this its loop would go on acting for a service
+    that is gone (re-creating a Deployment the garbage collector removes again)."""
+    gone: set[str] = memo.setdefault("gone", set())
+    return gone
+
+
 def _wake(memo: kopf.Memo, namespace: str | None, service_label: str) -> None:
     # The handlers that call this are async on purpose: kopf runs sync handlers in a worker
     # thread, where asyncio.Event.set() is not safe (and a thread hop per watch event costs).
@@ -243,12 +253,19 @@ async def replicaset_changed(namespace: str | None, labels: kopf.Labels, memo: k
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL, when=_ours)
-async def spec_changed(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def spec_changed(
+    name: str, namespace: str | None, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any
+) -> None:
     """A spec edit (generation ahead of status.observedGeneration) is acted on at once; our own
-    status writes do not wake the loop."""
-    generation = body.get("metadata", {}).get("generation")
-    if generation != (body.get("status") or {}).get("observedGeneration"):
-        _wake(memo, *service_key(namespace or "", name))
+    status writes do not wake the loop. A deletion ends the service's loop (`_gone`)."""
+    meta = body.get("metadata", {})
+    key = service_key(namespace or "", name)
+    if type == "DELETED":
+        if name in _wakers(memo).get(key, {}):  # its daemon still runs (a stopped one is gone)
+            _gone(memo).add(str(meta.get("uid") or ""))
+            _wake(memo, *key)
+    elif meta.get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        _wake(memo, *key)
 
 
 @kopf.index(API_GROUP, API_VERSION, PLURAL, when=_ours)
@@ -304,9 +321,13 @@ async def service_daemon(
     if not isinstance(executor, ServiceExecutor):
         executor = memo["executor"] = ServiceExecutor(name, namespace, config.settings)
     key = service_key(namespace, name)
+    uid = str(body.get("metadata", {}).get("uid") or "")
     wake = _wakers(memo).setdefault(key, {}).setdefault(name, asyncio.Event())
+    gone = False
     try:
-        while not stopped:
+        while not stopped and not gone:
+            if uid in _gone(memo):
+                break
             wake.clear()
             started = time.monotonic()
             pods = list(pods_index.get(key, []))
@@ -326,10 +347,15 @@ async def service_daemon(
                 interval = executor.next_pass_in(config.scrape_interval, config.resync_interval)
             except k8s.ApiUnavailable:
                 interval = k8s.OUTAGE_DELAY  # HEALTH said it once; try again after a while
+            except k8s.ServiceGone:
+                gone = True  # its status write answered 404: nothing left to act for
+                continue
             spent = time.monotonic() - started
             await _sleep_until(wake, stopped, max(0.05, interval - spent))
     finally:
-        if stopped:
+        gone = gone or uid in _gone(memo)
+        _gone(memo).discard(uid)
+        if stopped or gone:
             mine = _wakers(memo).get(key, {})
             mine.pop(name, None)
             if not mine:

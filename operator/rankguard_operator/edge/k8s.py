@@ -87,6 +87,12 @@ class ApiUnavailable(Exception):
     `HEALTH` has logged it (once per outage); the loop waits and tries again."""
 
 
+class ServiceGone(Exception):
+    """The LLMService is no longer in the API server (a write to it answered 404): its loop
+    ends instead of acting on what it last saw (a Deployment applied for a deleted service
+    would only be collected again, and its pods with it)."""
+
+
 def _temporary(e: ApiException, what: str) -> kopf.TemporaryError:
     # 409 (conflict) and 429 heal by themselves; they go back through kopf's back-off.
     return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}", delay=CONFLICT_DELAY)
@@ -310,7 +316,7 @@ async def get_llmservice(namespace: str, name: str) -> dict[str, Any] | None:
 
 async def patch_status(namespace: str, name: str, status_patch: Mapping[str, Any]) -> str | None:
     """JSON-merge-patch .status (only the keys given; a None value deletes a key). Returns the
-    object's resourceVersion after the write (None when the object is gone)."""
+    object's resourceVersion after the write; raises ServiceGone when the object is gone."""
 
     def call() -> Any:
         return client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
@@ -321,7 +327,7 @@ async def patch_status(namespace: str, name: str, status_patch: Mapping[str, Any
         result = await _call(f"writing status of LLMService {name}", call)
     except ApiException as e:
         if e.status == 404:
-            return None  # deleted meanwhile: nothing to report on
+            raise ServiceGone(f"LLMService {namespace}/{name} is gone") from e
         raise _temporary(e, f"writing status of LLMService {name}") from e
     rv = (result.get("metadata") or {}).get("resourceVersion") if isinstance(result, dict) else None
     return rv if isinstance(rv, str) else None
