@@ -324,20 +324,21 @@ def test_a_pass_for_a_service_that_is_gone_ends_its_loop(world: World) -> None:
     from rankguard_operator.core.step import Settings
     from rankguard_operator.edge.executor import Seen, ServiceExecutor
 
-    body = world.create(service_doc("gone", free_port()))  # no operator runs: no finalizer
-    world.custom.delete_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL, "gone")
+    body = world.create(service_doc("vanished", free_port()))  # no operator runs: no finalizer
+    world.custom.delete_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL, "vanished")
     wait_for(
         "the LLMService to be gone",
         lambda: not world.custom.list_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL).get("items"),
     )
     k8s.login()
-    executor = ServiceExecutor("gone", world.ns, Settings(agent_image=DEFAULT_AGENT_IMAGE))
+    executor = ServiceExecutor("vanished", world.ns, Settings(agent_image=DEFAULT_AGENT_IMAGE))
 
     async def one_pass() -> None:
         try:
             await executor.run_once(Seen(body=body, pods=[], deployment=None, replicaset_owner={}))
         finally:
+            executor.forget()  # as the daemon does: no series of it left in this process's registry
             await executor.close()
 
-    with pytest.raises(k8s.ServiceGone, match="gone"):
+    with pytest.raises(k8s.ServiceGone, match="vanished"):
         asyncio.run(one_pass())
