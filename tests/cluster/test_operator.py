@@ -43,7 +43,9 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
 from rankguard_operator.core.render.deployment import render_deployment, render_service
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.step import Settings
 from rankguard_operator.edge import k8s
+from rankguard_operator.edge.executor import Seen, ServiceExecutor
 from rankguard_sim.kube.cluster import ControlPlane, free_port
 from rankguard_sim.waiting import wait_for
 
@@ -321,9 +323,6 @@ def test_a_pass_for_a_service_that_is_gone_ends_its_loop(world: World) -> None:
     way: kopf stops daemons only for a deletion it sees in progress) must stop, not keep
     re-creating a Deployment the garbage collector removes again. Its status write answers 404:
     the pass raises ServiceGone, which ends the loop (edge/handlers)."""
-    from rankguard_operator.core.step import Settings
-    from rankguard_operator.edge.executor import Seen, ServiceExecutor
-
     body = world.create(service_doc("vanished", free_port()))  # no operator runs: no finalizer
     world.custom.delete_namespaced_custom_object(GROUP, VERSION, world.ns, PLURAL, "vanished")
     wait_for(

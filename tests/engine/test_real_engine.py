@@ -34,6 +34,9 @@ from rankguard_agent.wire.recognisers import (
     recognise_all,
 )
 from rankguard_operator import vllm_snapshots
+from rankguard_operator.core.names import API_GROUP as GROUP
+from rankguard_operator.core.names import API_VERSION as VERSION
+from rankguard_operator.core.names import PLURAL
 from rankguard_sim.fake_vllm.metrics import Metrics
 from rankguard_sim.kubelet.image import build_engine_image
 from rankguard_sim.kubelet.kubelet import ProcessKubelet
@@ -42,7 +45,6 @@ from rankguard_sim.world import llmservice, running
 
 from .conftest import Engine, host_memory_bytes
 
-GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
 MIB = 1 << 20
 START_TIMEOUT = 420  # the engine's start is ~50 s alone on two cores; the sandbox shares them
 

@@ -323,11 +323,8 @@ async def service_daemon(
     key = service_key(namespace, name)
     uid = str(body.get("metadata", {}).get("uid") or "")
     wake = _wakers(memo).setdefault(key, {}).setdefault(name, asyncio.Event())
-    gone = False
     try:
-        while not stopped and not gone:
-            if uid in _gone(memo):
-                break
+        while not stopped and uid not in _gone(memo):
             wake.clear()
             started = time.monotonic()
             pods = list(pods_index.get(key, []))
@@ -348,12 +345,12 @@ async def service_daemon(
             except k8s.ApiUnavailable:
                 interval = k8s.OUTAGE_DELAY  # HEALTH said it once; try again after a while
             except k8s.ServiceGone:
-                gone = True  # its status write answered 404: nothing left to act for
-                continue
+                _gone(memo).add(uid)  # its status write answered 404: nothing left to act for
+                break
             spent = time.monotonic() - started
             await _sleep_until(wake, stopped, max(0.05, interval - spent))
     finally:
-        gone = gone or uid in _gone(memo)
+        gone = uid in _gone(memo)
         _gone(memo).discard(uid)
         if stopped or gone:
             mine = _wakers(memo).get(key, {})
