@@ -1,6 +1,8 @@
 """The agent's HTTP API (aiohttp): GET /healthz, GET /report, GET /metrics.
 
-/report is `report.Report` as JSON (the contract the operator parses). /metrics is built
+/report is `report.Report` as JSON (the contract the operator parses). With `?wait=` it is a
+long-poll (wire/change: held until the report is news for that poller, or `wait` seconds): the
+operator holds one per pod instead of scraping every pod every 2 s (issue 31). /metrics is built
 by prometheus_client from a collector over the same snapshot, on its own registry, so the
 exposition always matches the report and no global state is touched.
 
@@ -11,10 +13,15 @@ the ranks vLLM runs on each pod is no rank of the group and is left out.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import itertools
 import logging
+import secrets
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
 from rankguard_agent.sampler import Sampler
+from rankguard_agent.wire.change import MAX_WAIT_SECONDS, REPORT_TOKEN_HEADER, news, parse_lines
 from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace
 from rankguard_agent.wire.report import (
     MAX_TEXT,
@@ -44,6 +52,14 @@ CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
 # or an alert on them works before the first one: the per-worker reports rankguard reads, and
 # "worker_prefix" for a per-worker line whose rank cannot be told.
 UNPARSED_KINDS = ("worker_memory_report", "cuda_graph_pool", "initial_free_memory", "worker_prefix")
+# A held long-poll looks at the report this often: ten samples of the sampler's 10 a second (a
+# rank's window minimum already holds any dip between two looks), and a fifth of the 5 s the
+# operator is allowed from a change to its status. Each look builds the report: in a pod that
+# is nothing, in a bench serving a thousand agents from one process it is most of their CPU.
+POLL_CHECK_SECONDS = 1.0
+# Answers remembered by token, so two pollers (a new leader while the old one still polls, a
+# person's curl) each get news against what they were last told, not each other's answers.
+ANSWERS_KEPT = 8
 
 
 @dataclass
@@ -61,6 +77,25 @@ class AgentState:
     unparsed_lines: dict[str, int] = field(default_factory=dict)  # by kind; see UNPARSED_KINDS
     model: ModelReport | None = None  # the served model's files (model_watch), once read
     place: GroupPlace = SINGLE_NODE  # the pod's place in a vLLM multi-node group (launch only)
+    # long-poll answers by token, newest last; the prefix tells this process's from a restarted one's
+    _answered: OrderedDict[str, Report] = field(default_factory=OrderedDict, init=False, repr=False)
+    _tokens: Iterator[str] = field(
+        default_factory=lambda: (f"{secrets.token_hex(4)}-{n}" for n in itertools.count(1)),
+        init=False,
+        repr=False,
+    )
+
+    def answered(self, token: str | None) -> Report | None:
+        """The report last answered as `token`, if this process still remembers it."""
+        return self._answered.get(token) if token else None
+
+    def remember(self, report: Report) -> str:
+        """Name an answer for the poller's next `since`."""
+        token = next(self._tokens)
+        self._answered[token] = report
+        while len(self._answered) > ANSWERS_KEPT:
+            self._answered.popitem(last=False)
+        return token
 
     def record_engine_memory(self, local_rank: int, seen: EngineMemory) -> None:
         """Merge what a worker line said into the account of the pod's GPU `local_rank`: the
@@ -239,13 +274,45 @@ def build_app(state: AgentState) -> web.Application:
             body["backend_error"] = state.backend_error
         return web.json_response(body)
 
-    async def report(_: web.Request) -> web.Response:
-        return web.Response(body=state.report().to_json(), content_type="application/json")
+    # Set when the server shuts down: a held poll answers then, so stopping the agent (a pod's
+    # SIGTERM) does not wait out every poll's `wait`.
+    closing = asyncio.Event()
+
+    async def shutting_down(_: web.Application) -> None:
+        closing.set()
+
+    async def report(request: web.Request) -> web.Response:
+        if "wait" not in request.query:
+            return web.Response(body=state.report().to_json(), content_type="application/json")
+        try:
+            wait = min(max(float(request.query["wait"]), 0.0), MAX_WAIT_SECONDS)
+            lines = parse_lines(request.query.get("lines"))
+        except ValueError as e:
+            usage = "/report?wait=<seconds>&since=<token>&lines=<bytes>,<bytes>"
+            raise web.HTTPBadRequest(text=f"{usage}: {e}") from e
+        before = state.answered(request.query.get("since"))
+        current = state.report()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        # An unknown `since` (a first poll, a restarted agent) is answered at once.
+        while before is not None and news(before, current, lines) is None and not closing.is_set():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(closing.wait(), min(POLL_CHECK_SECONDS, left))
+            current = state.report()
+        return web.Response(
+            body=current.to_json(),
+            content_type="application/json",
+            headers={REPORT_TOKEN_HEADER: state.remember(current)},
+        )
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
+    app.on_shutdown.append(shutting_down)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/report", report)
     app.router.add_get("/metrics", metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from rankguard_agent.gpu.simfiles import write_device, write_proc
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
+from rankguard_agent.wire.change import REPORT_TOKEN_HEADER
 from rankguard_agent.wire.report import ProbeRank, ProbeResult, parse_report
 from rankguard_sim.waiting import wait_for
 
@@ -187,3 +189,56 @@ async def test_a_taken_port_leaves_the_agent_running_without_its_api(root: Path)
 def test_labels_only_when_set() -> None:
     assert const_labels_from_env({}) == {}
     assert const_labels_from_env({"POD_NAMESPACE": "ml"}) == {"namespace": "ml"}
+
+
+async def poll(base: str, **params: str) -> tuple[int, bytes, str | None]:
+    async with aiohttp.ClientSession() as s, s.get(base + "/report", params=params) as r:
+        return r.status, await r.read(), r.headers.get(REPORT_TOKEN_HEADER)
+
+
+async def test_a_long_poll_answers_at_once_for_an_unknown_since_and_holds_while_nothing_is_news(
+    served: tuple[AgentState, str],
+) -> None:
+    _, base = served
+    status, body, token = await poll(base, wait="30")  # no since: a first poll
+    assert status == 200 and token
+    status, _, other = await poll(base, wait="30", since="a-token-from-a-restarted-agent")
+    assert status == 200 and other and other != token
+    started = time.monotonic()
+    status, again, later = await poll(base, wait="1", since=token)
+    assert status == 200 and time.monotonic() - started >= 1.0  # held the whole wait
+    assert later not in (None, token, other)
+    assert [r.min_free_bytes for r in parse_report(again).ranks] == [
+        r.min_free_bytes for r in parse_report(body).ranks
+    ]
+
+
+async def test_a_held_poll_is_answered_when_a_rank_moves_by_a_percent_of_its_gpu(
+    served: tuple[AgentState, str], root: Path
+) -> None:
+    state, base = served
+    _, body, token = await poll(base, wait="30")
+    assert token is not None
+    before = parse_report(body).ranks[1].free_bytes
+    held = asyncio.ensure_future(poll(base, wait="60", since=token))
+    write_proc(root, "GPU-bb", "vllm", 2 * GIB)  # 2.5 % of the 80 GiB GPU
+    state.sampler.sample_once()
+    status, answer, _ = await asyncio.wait_for(held, 30)
+    assert status == 200 and parse_report(answer).ranks[1].free_bytes == before - 2 * GIB
+
+
+async def test_a_held_poll_is_answered_when_a_kv_line_arrives(served: tuple[AgentState, str]) -> None:
+    state, base = served
+    _, _, token = await poll(base, wait="30")
+    assert token is not None
+    held = asyncio.ensure_future(poll(base, wait="60", since=token))
+    state.record_kv("kv_cache_tokens", "GPU KV cache size: 1,000 tokens", 1000.0)
+    status, answer, _ = await asyncio.wait_for(held, 30)
+    assert status == 200 and [k.kind for k in parse_report(answer).kv_lines] == ["kv_cache_tokens"]
+
+
+@pytest.mark.parametrize("query", ["wait=soon", "wait=5&lines=many", "wait=5&lines=-1"])
+async def test_a_malformed_poll_is_refused_with_its_usage(served: tuple[AgentState, str], query: str) -> None:
+    _, base = served
+    status, body, _ = await get(f"{base}/report?{query}")
+    assert status == 400 and b"/report?wait=<seconds>" in body

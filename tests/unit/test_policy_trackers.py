@@ -14,11 +14,14 @@ from policy_world import AMPLE, COMPLETE, CUR, HEALTHY, LKG, LOW, MINH, NOW, PRO
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy import (
     decide,
+    headroom_due_in,
+    headroom_lines,
     next_last_known_good,
     track_ample_headroom,
     track_ample_lowest,
     track_low_headroom,
 )
+from rankguard_operator.core.policy.tunables import LOW_HEADROOM_SUSTAIN_SECONDS, RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.units import GiB
 
 
@@ -73,3 +76,21 @@ def test_last_known_good() -> None:
     assert lkg(terminations=[term(flags=LKG)]) == CUR  # an old pod's crash says nothing about CUR
     assert lkg(terminations=[term("Other")]) == CUR
     assert next_last_known_good(LKG, None, spec=SPEC, rollout=COMPLETE, observation=HEALTHY) == LKG
+
+
+def test_a_headroom_stretch_under_way_names_when_its_rule_falls_due() -> None:
+    # passes are rare for a steady service (issue 31): the step asks for one when a stretch is due
+    assert headroom_due_in(None, None, NOW) is None
+    assert headroom_due_in(NOW - 10, None, NOW) == LOW_HEADROOM_SUSTAIN_SECONDS - 10
+    assert headroom_due_in(None, NOW - 100, NOW) == RECLAIM_AFTER_SECONDS - 100
+    assert headroom_due_in(NOW - 10, NOW - 100, NOW) == LOW_HEADROOM_SUSTAIN_SECONDS - 10
+    # one already due had its pass: no pass at once again (that would be a busy loop)
+    assert headroom_due_in(NOW - LOW_HEADROOM_SUSTAIN_SECONDS, None, NOW) is None
+
+
+def test_the_lines_are_where_the_headroom_trackers_turn() -> None:
+    low, ample = headroom_lines(SPEC)
+    assert track_low_headroom(None, obs(low - 1), SPEC, NOW) == NOW
+    assert track_low_headroom(None, obs(low), SPEC, NOW) is None
+    assert track_ample_headroom(None, obs(ample), SPEC, NOW) == NOW
+    assert track_ample_headroom(None, obs(ample - 1), SPEC, NOW) is None

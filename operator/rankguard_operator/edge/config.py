@@ -7,11 +7,13 @@ Environment (all optional):
   RANKGUARD_AGENT_IMAGE       image of the agent-install init container in serving pods
   RANKGUARD_LIVENESS_HOST/PORT  kopf's liveness endpoint /healthz (default 0.0.0.0:8080; 0 = off)
   RANKGUARD_METRICS_HOST/PORT   Prometheus metrics (default 0.0.0.0:9090; 0 = off)
-  RANKGUARD_SCRAPE_INTERVAL   seconds between passes of a service with agents to scrape, a
-                              remediation under way or pods starting (default 2)
+  RANKGUARD_SCRAPE_INTERVAL   seconds between passes of a service with a remediation under way
+                              or pods starting, and between asks of an agent whose poll failed
+                              or that cannot long-poll (default 2)
   RANKGUARD_RESYNC_INTERVAL   seconds between passes of any other service, when no watch event
-                              wakes it sooner (default 30)
-  RANKGUARD_STALE_AFTER       seconds after which an agent report is too old to act on (default 30)
+                              or agent news wakes it sooner (default 30)
+  RANKGUARD_STALE_AFTER       seconds after which an agent report is too old to act on (default
+                              30); an agent's held poll is answered within two thirds of it
   RANKGUARD_AGENT_UNAVAILABLE_AFTER  seconds a ready serving pod may go without a valid agent
                               report before AgentReady turns False (default 60)
   RANKGUARD_LOG_FORMAT        plain | json (default plain)

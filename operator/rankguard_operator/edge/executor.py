@@ -1,5 +1,9 @@
 """Runs one LLMService's passes: gather the world, call the pure step, carry out its effects.
 
+(Over 450 lines because a pass's I/O is one sequence: what it reads, the caches that stand in
+for a watch that is behind, and the effects carried out in the step's order, each of which the
+next pass's reads depend on; split, the order would live in two places.)
+
 Everything decided lives in `core.reconcile.step`; this module only does I/O, in the order
 the step lists its effects (intent before roll, roll before status), so a crash anywhere
 leaves a state the next step finishes exactly once.
@@ -44,11 +48,13 @@ from rankguard_operator.core.model.resolve import ConfigRead, config_from_config
 from rankguard_operator.core.names import name_problem
 from rankguard_operator.core.observe import ownership
 from rankguard_operator.core.observe.pod_blockers import event_subjects
-from rankguard_operator.core.observe.pods import Termination
+from rankguard_operator.core.observe.pods import Termination, pod_ready
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
+from rankguard_operator.core.policy.trackers import headroom_lines
 from rankguard_operator.core.render.claim import claim_settled
 from rankguard_operator.core.render.taken_names import NameRivals
 from rankguard_operator.core.status.figures import figures, memory_terminations, phase_change, rank_label
+from rankguard_operator.core.status.hold import hold
 from rankguard_operator.core.status.patch import status_patch
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import Settings, Step, World, reads, reconcile, scrape_targets, with_intent
@@ -68,6 +74,7 @@ from rankguard_operator.edge.metrics import (
     forget_service,
 )
 from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, WarningEvents, exists
+from rankguard_operator.edge.report_feed import ReportFeed
 from rankguard_operator.edge.scrape import Scraper, Target
 
 log = logging.getLogger("rankguard_operator.executor")
@@ -105,9 +112,12 @@ class Seen:
 class ServiceExecutor:
     """One per LLMService, kept in kopf's per-object memo across daemon restarts."""
 
-    def __init__(self, name: str, namespace: str, settings: Settings) -> None:
+    def __init__(self, name: str, namespace: str, settings: Settings, poll_retry: float = 2.0) -> None:
         self.name, self.namespace, self.settings = name, namespace, settings
         self.scraper = Scraper(name, namespace)
+        # the serving pods' agents, long-polled; `feed.wake` is set by the service's daemon
+        self.feed = ReportFeed(self.scraper, settings.stale_after, poll_retry)
+        self._status_written: float | None = None  # monotonic time of our last status write
         self.nodes = NODE_LABELS
         self.claims = KeptRead(lambda n: k8s.get_claim(namespace, n), lambda c: claim_settled(c, name))
         self.configs = KeptRead(lambda n: k8s.get_configmap(namespace, n), exists)
@@ -124,12 +134,14 @@ class ServiceExecutor:
         # group replace's old pods still count until they are gone (core/observe/ownership)
         self._set_templates: dict[str, tuple[str, ...]] = {}
         self._ooms_counted: set[str] = set()  # keys of new memory terminations already counted
-        # whether the last pass had something that changes without a watch event: agents to
-        # scrape, a remediation under way, pods starting on a node (handlers pick the cadence)
+        # whether the last pass had something that changes without a watch event or an agent's
+        # news: a remediation under way, pods starting on a node, an agent not answering
+        # (handlers pick the cadence)
         self.busy = True
         self.due_in: float | None = None  # the step's own clock: pass again by then (seconds)
 
     async def close(self) -> None:
+        await self.feed.close()
         await self.scraper.close()
 
     def forget(self) -> None:
@@ -273,7 +285,7 @@ class ServiceExecutor:
         claim = await self.claims.get(wanted.claim, generation) if wanted.claim else None
         owned_sets = ownership.owned_statefulsets(statefulsets, uid)
         targets = [Target(*t) for t in scrape_targets(spec, deployment, pods, owned_sets)]
-        scraped = await self.scraper.scrape(targets)
+        scraped = await self.feed.read(targets)
         world = World(
             name=self.name,
             namespace=self.namespace,
@@ -293,10 +305,14 @@ class ServiceExecutor:
             events=await self.events.of(event_subjects(pods, owned_sets, time.time())),
             name_rivals=seen.name_rivals,
         )
+        # A Running service's agents wake it when their reports are news (edge/report_feed), and
+        # the step names the time its own clocks fall due (pass_again_after): only pods still
+        # starting (on a node, not Ready), an agent not answering (AgentReady's bound runs) and a
+        # remediation under way pass at the scrape interval.
         self.busy = (
-            bool(targets)
-            or bool(state.raw.get("pendingRemediation"))
-            or any((p.get("spec") or {}).get("nodeName") for p in pods)
+            bool(state.raw.get("pendingRemediation"))
+            or bool(scraped.misses)
+            or any((p.get("spec") or {}).get("nodeName") and not pod_ready(p) for p in pods)
         )
         problem = name_problem(self.name)
         step = (
@@ -305,6 +321,8 @@ class ServiceExecutor:
             else reconcile.step(state, world, self.settings)
         )
         self.due_in = step.pass_again_after
+        if step.spec is not None:
+            self.feed.set_lines(headroom_lines(step.spec))
         AGENTS_UNAVAILABLE.labels(namespace=world.namespace, llmservice=world.name).set(
             len(step.agents_unavailable)
         )
@@ -390,8 +408,17 @@ class ServiceExecutor:
             elif isinstance(effect, PostEvent):
                 await self._event(body, effect)
             elif isinstance(effect, WriteStatus):
+                if self._hold(state, effect.patch, step):
+                    continue  # figures that only drifted: written with the next real change
                 rv = await k8s.patch_status(self.namespace, self.name, effect.patch)
+                self._status_written = time.monotonic()
                 self._remember(rv, step.state)
+
+    def _hold(self, state: ServiceState, patch: Mapping[str, Any], step: Step) -> bool:
+        written = self._status_written
+        since = None if written is None else time.monotonic() - written
+        lines = headroom_lines(step.spec) if step.spec is not None else ()
+        return hold(state.raw, patch, since, lines)
 
     async def _event(self, body: Mapping[str, Any], e: PostEvent) -> None:
         now = time.monotonic()

@@ -6,10 +6,11 @@ pass) and their events, like spec edits, only wake that daemon, so a CUDA OOM re
 policy within one API round trip, while the loop itself stays level-triggered: every pass
 re-reads the world and is idempotent, so a lost or repeated event changes nothing.
 
-Cadence: a service with something that changes without a watch event (agents to scrape, a
-remediation under way, pods starting on a node) passes every RANKGUARD_SCRAPE_INTERVAL; any
-other (nothing scheduled yet, deleted pods, an invalid spec) waits for an event or
-RANKGUARD_RESYNC_INTERVAL. That is what lets one operator carry a thousand services.
+Cadence: a service with something that changes without a watch event (a remediation under
+way, pods starting on a node) passes every RANKGUARD_SCRAPE_INTERVAL; any other waits for an
+event, for its agents' news (edge/report_feed: each serving pod's agent is long-polled, and a
+report that moves a rank's figure by 1 % of its GPU or across a policy line wakes the loop) or
+for RANKGUARD_RESYNC_INTERVAL. That is what lets one operator carry a thousand Running services.
 
 Errors: an unreachable or failing API server is `k8s.ApiUnavailable`, told once per outage
 by `api_health.HEALTH`; the loop waits `k8s.OUTAGE_DELAY` (or a wake-up) and tries again,
@@ -319,10 +320,13 @@ async def service_daemon(
     config = _config(memo)
     executor = memo.get("executor")
     if not isinstance(executor, ServiceExecutor):
-        executor = memo["executor"] = ServiceExecutor(name, namespace, config.settings)
+        executor = memo["executor"] = ServiceExecutor(
+            name, namespace, config.settings, poll_retry=config.scrape_interval
+        )
     key = service_key(namespace, name)
     uid = str(body.get("metadata", {}).get("uid") or "")
     wake = _wakers(memo).setdefault(key, {}).setdefault(name, asyncio.Event())
+    executor.feed.wake = wake.set  # an agent's news wakes this loop
     try:
         while not stopped and uid not in _gone(memo):
             wake.clear()

@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import sys
 
 import kopf
@@ -34,8 +35,23 @@ def fewer_malloc_arenas() -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, 2))
 
 
+def more_open_files() -> int:
+    """Raise the soft limit on open files to the hard one: the operator holds one long-poll per
+    serving pod (edge/report_feed), and a soft limit of 1,024 (many runtimes' default) would end
+    below a thousand services. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
+
+
 def run_operator() -> int:
     fewer_malloc_arenas()  # before any thread starts
+    more_open_files()
     try:
         config = OperatorConfig.from_env(os.environ)
     except ConfigError as e:

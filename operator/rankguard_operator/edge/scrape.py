@@ -12,7 +12,9 @@ as a string, cut to one short line; nothing else in it is trusted.
 
 One aiohttp session (one connection pool) and one concurrency bound serve every LLMService of
 the operator: at a thousand services, a session each would hold a thousand pools and let a
-burst of passes open thousands of sockets at once.
+burst of passes open thousands of sockets at once. The long-polls of edge/report_feed are held
+open for up to 20 s each, one per serving pod: they have a pool and a bound of their own
+(`MAX_HELD_POLLS`), so a thousand held polls never starve a one-shot scrape, nor the other way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from rankguard_agent.wire.change import REPORT_TOKEN_HEADER, clean_token
 from rankguard_agent.wire.report import MAX_REPORT_BYTES, Report, ReportError, parse_report
 from rankguard_operator.core.observe.agent_ready import AgentMiss, MissKind, clean_agent_error
 from rankguard_operator.edge.metrics import REPORT_FIELDS_DROPPED, REPORTS_OK, REPORTS_REJECTED
@@ -36,6 +39,10 @@ log = logging.getLogger("rankguard_operator.edge.scrape")
 TIMEOUT = aiohttp.ClientTimeout(total=2.0, connect=1.0)
 MAX_CONCURRENCY = 64  # scrapes in flight at once, for the whole operator
 MAX_ERROR_BODY = 4096  # bytes of a 503 read for its agentError; the rest is never read
+# Long-polls held at once, for the whole operator: one per serving pod, so 4,096 pods (1,000 TP8
+# services are 1,000 pods; a multi-node group is a few pods). A pod beyond it waits for a slot,
+# and its report turns stale meanwhile: the AgentReady condition says so.
+MAX_HELD_POLLS = 4096
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class Scraped:
     pod: str
     report: Report
     received_at: float
+    token: str | None = None  # the agent's name for this answer, for its next long-poll (`since`)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
 class _Shared:
     session: aiohttp.ClientSession
     bound: asyncio.Semaphore
+    polls: aiohttp.ClientSession  # the long-polls' own pool (its timeouts are per request)
+    poll_bound: asyncio.Semaphore
 
 
 # Per event loop (the operator has one; tests start several in turn): a session and a
@@ -101,15 +111,21 @@ def _shared() -> _Shared:
             raise_for_status=False,
             connector=aiohttp.TCPConnector(limit=MAX_CONCURRENCY),
         )
-        shared = _SHARED[loop] = _Shared(session, asyncio.Semaphore(MAX_CONCURRENCY))
+        polls = aiohttp.ClientSession(
+            raise_for_status=False, connector=aiohttp.TCPConnector(limit=MAX_HELD_POLLS)
+        )
+        shared = _SHARED[loop] = _Shared(
+            session, asyncio.Semaphore(MAX_CONCURRENCY), polls, asyncio.Semaphore(MAX_HELD_POLLS)
+        )
     return shared
 
 
 async def close_shared_session() -> None:
-    """At operator cleanup: close this loop's session."""
+    """At operator cleanup: close this loop's sessions."""
     shared = _SHARED.pop(asyncio.get_running_loop(), None)
     if shared is not None:
         await shared.session.close()
+        await shared.polls.close()
 
 
 class Scraper:
@@ -141,11 +157,33 @@ class Scraper:
         return AgentMiss(target.pod, kind, detail, since, agent_error)
 
     async def _one(self, shared: _Shared, target: Target) -> Scraped | AgentMiss:
+        return await self.fetch(shared.session, shared.bound, target)
+
+    async def poll(
+        self, target: Target, query: dict[str, str], timeout: aiohttp.ClientTimeout
+    ) -> Scraped | AgentMiss:
+        """One long-poll of `/report` (edge/report_feed): the same checks as a scrape, on the
+        long-polls' own pool and bound."""
+        shared = _shared()
+        return await self.fetch(shared.polls, shared.poll_bound, target, query, timeout)
+
+    async def fetch(
+        self,
+        session: aiohttp.ClientSession,
+        bound: asyncio.Semaphore,
+        target: Target,
+        query: dict[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> Scraped | AgentMiss:
         host = f"[{target.ip}]" if ":" in target.ip else target.ip  # an IPv6 pod IP
         url = f"http://{host}:{target.port}/report"
-        async with shared.bound:
+        token: str | None = None
+        async with bound:
             try:
-                async with shared.session.get(url, allow_redirects=False) as resp:
+                async with session.get(
+                    url, params=query, allow_redirects=False, timeout=timeout or TIMEOUT
+                ) as resp:
+                    token = clean_token(resp.headers.get(REPORT_TOKEN_HEADER))
                     if resp.status == 503:
                         # the agent's fallback: vLLM runs, the agent could not start, and says why
                         said = agent_error_of(await _read_at_most(resp.content, MAX_ERROR_BODY))
@@ -173,12 +211,15 @@ class Scraper:
                 len(report.dropped_fields)
             )
             log.debug("pod %s: dropped from its report: %s", target.pod, "; ".join(report.dropped_fields))
-        return Scraped(target.pod, report, time.time())
+        return Scraped(target.pod, report, time.time(), token)
 
-    async def scrape(self, targets: Sequence[Target]) -> Scrape:
-        # forget pods that are no longer targets: a pod back later starts a new run of failures
+    def keep_only(self, targets: Sequence[Target]) -> None:
+        """Forget pods that are no longer targets: a pod back later starts a new run of failures."""
         pods = {t.pod for t in targets}
         self._failing_since = {p: since for p, since in self._failing_since.items() if p in pods}
+
+    async def scrape(self, targets: Sequence[Target]) -> Scrape:
+        self.keep_only(targets)
         if not targets:
             return Scrape()
         shared = _shared()

@@ -64,6 +64,8 @@ from __future__ import annotations
 from rankguard_operator.core.policy.decide import decide
 from rankguard_operator.core.policy.decision import Action, Decision, PolicyInput
 from rankguard_operator.core.policy.trackers import (
+    headroom_due_in,
+    headroom_lines,
     next_last_known_good,
     track_ample_headroom,
     track_ample_lowest,
@@ -78,6 +80,8 @@ __all__ = [
     "Decision",
     "PolicyInput",
     "decide",
+    "headroom_due_in",
+    "headroom_lines",
     "next_last_known_good",
     "track_ample_headroom",
     "track_ample_lowest",

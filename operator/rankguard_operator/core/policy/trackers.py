@@ -14,11 +14,37 @@ from rankguard_operator.core.observe.pods import (
     RolloutState,
     Termination,
 )
-from rankguard_operator.core.policy.tunables import RECLAIM_HEADROOM_FACTOR
+from rankguard_operator.core.policy.tunables import (
+    LOW_HEADROOM_SUSTAIN_SECONDS,
+    RECLAIM_AFTER_SECONDS,
+    RECLAIM_HEADROOM_FACTOR,
+)
 from rankguard_operator.core.spec.parse import ServiceSpec
 
 # --------------------------------------------------------------------------------------------
 # Trackers the caller keeps between calls (pure: previous value in, next value out)
+
+
+def headroom_lines(spec: ServiceSpec) -> tuple[int, ...]:
+    """The free memory (bytes) where a rank's minimum crossing changes what the trackers below
+    say: the low-headroom line and the reclaim line. An agent's long-poll answers at once when a
+    rank crosses one (edge/report_feed), and a status write is never held across one
+    (core/status/hold)."""
+    line = spec.memory.min_headroom_bytes
+    return (line, RECLAIM_HEADROOM_FACTOR * line)
+
+
+def headroom_due_in(low_since: float | None, ample_since: float | None, now: float) -> float | None:
+    """Seconds until a stretch under way (low headroom, ample headroom) has lasted as long as its
+    rule asks (the shrink, the reclaim): a pass is due then, whether or not an agent has news.
+    None when no stretch falls due later (one already due had its pass; its rule's other checks
+    are looked at again on the next pass)."""
+    due = [
+        since + wait - now
+        for since, wait in ((low_since, LOW_HEADROOM_SUSTAIN_SECONDS), (ample_since, RECLAIM_AFTER_SECONDS))
+        if since is not None and since + wait > now
+    ]
+    return min(due, default=None)
 
 
 def track_low_headroom(

@@ -510,7 +510,16 @@ class _Pass:
             phase,
             settled.agents_unavailable,
             pass_again_after=min(
-                (t for t in (unscheduled.due_in, stuck.due_in) if t is not None), default=None
+                (
+                    t
+                    for t in (
+                        unscheduled.due_in,
+                        stuck.due_in,
+                        policy.headroom_due_in(low_since, ample_since, w.now),
+                    )
+                    if t is not None
+                ),
+                default=None,
             ),
             spec=spec,
             terminations=tuple(fresh_terms),
