@@ -40,14 +40,10 @@ import copy
 import os
 import platform
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -56,96 +52,28 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.edge.config import OperatorConfig
-from rankguard_sim.kube.cluster import K8S_VERSION, ControlPlane
-from rankguard_sim.world import OperatorProcess, create_namespace, install_crd
 from scale_cohort import MIB, FakeAgents, FakeNode, cohort_ips, free_port_on, run_pod
 from scale_measure import (
     ScaleResult,
-    breakdown_rows,
     count_log_errors,
     count_requests,
     cpu_seconds_per_minute,
     cpu_ticks,
     env_summary,
-    first_status_rows,
-    headers,
     memory_bytes,
+    parse_audit_line,
     parse_counts,
     parse_env,
-    render_table,
+    print_tables,
     summary_rows,
 )
+from scale_sandbox import BENCH_NS, Sandbox, log, sandbox
 from scale_watch import GROUP, PLURAL, VERSION, ServiceWatch
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "llama3-70b-tp4.yaml"
-CHART = REPO / "charts" / "rankguard"
-OPERATOR_NS, BENCH_NS = "rankguard-system", "bench"
 SERVICE_LABEL = "rankguard.io/llmservice"
 BASE_MIN_FREE = 6 * 1024 * MIB  # ample headroom: no policy rule acts on it
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Sandbox:
-    cp: ControlPlane
-    api: Any
-    op: OperatorProcess
-    username: str  # the operator's user in the audit log
-    audit_log: Path
-
-
-def operator_identity(cp: ControlPlane, api: Any, workdir: Path) -> tuple[Path, str]:
-    """The chart's ServiceAccount and cluster-wide RBAC, and a kubeconfig with its token."""
-    create_namespace(api, OPERATOR_NS)
-    rendered = cp.helm(
-        "template", "rankguard", str(CHART), "-n", OPERATOR_NS, f"--kube-version={K8S_VERSION}",
-        "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml",
-    ).stdout  # fmt: skip
-    cp.kubectl("apply", "-n", OPERATOR_NS, "-f", "-", input=rendered)
-    docs = [d for d in yaml.safe_load_all(rendered) if d]
-    account = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
-    if not any(d["kind"] == "ClusterRoleBinding" for d in docs):
-        raise RuntimeError("the chart rendered no ClusterRoleBinding for a cluster-wide install")
-    # TokenRequest, as the kubelet projects into the chart's pod; long enough for N=1,000.
-    tr = client.CoreV1Api(api).create_namespaced_service_account_token(
-        account, OPERATOR_NS, {"spec": {"expirationSeconds": 86400}}
-    )
-    kubeconfig = cp.token_kubeconfig(tr.status.token, workdir / "operator.kubeconfig")
-    return kubeconfig, f"system:serviceaccount:{OPERATOR_NS}:{account}"
-
-
-@contextmanager
-def sandbox(operator_env: dict[str, str], keep: bool) -> Iterator[Sandbox]:
-    """A control plane with an audit log, the CRD, the bench namespace, and the operator."""
-    workdir = Path(tempfile.mkdtemp(prefix="rankguard-scale-"))
-    audit = workdir / "audit.log"
-    cp = ControlPlane.start(workdir / "cp", audit_log=audit)
-    api: Any = None
-    op: OperatorProcess | None = None
-    try:
-        install_crd(cp)
-        api = cp.api_client()
-        kubeconfig, username = operator_identity(cp, api, workdir)
-        create_namespace(api, BENCH_NS)
-        env = {"RANKGUARD_WATCH_NAMESPACES": BENCH_NS, **operator_env}
-        op = OperatorProcess(kubeconfig, workdir / "operator.log", env_extra=env)
-        op.start()
-        op.wait_ready()
-        yield Sandbox(cp, api, op, username, audit)
-    finally:
-        if op is not None:
-            op.stop()
-        if api is not None:
-            api.close()
-        cp.stop()
-        if keep:
-            log(f"kept {workdir} (audit log, operator log, control-plane logs)")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def service_doc(
@@ -205,9 +133,24 @@ def steady_window(box: Sandbox, sw: ServiceWatch, res: ScaleResult, window: floa
     res.requests = audit_count(box, offset, wall0, wall1)
 
 
+def audit_written_past(path: Path, end: float) -> bool:
+    """Whether the audit log already holds a request received at `end` or later (any client's)."""
+    start = max(0, path.stat().st_size - 65536)
+    with path.open("rb") as f:
+        f.seek(start)
+        lines = f.read().splitlines()[1 if start else 0 :]  # past 0, the first line may be cut
+    last = next((ev for ev in map(parse_audit_line, reversed(lines)) if ev is not None), None)
+    return last is not None and last.received >= end
+
+
 def audit_count(box: Sandbox, offset: int, start: float, end: float) -> Counter[str]:
-    """The operator's requests received in [start, end) (wall clock), read from `offset` on."""
-    time.sleep(3.0)  # batch mode flushes at least every second
+    """The operator's requests received in [start, end) (wall clock), read from `offset` on,
+    once the log has caught up past `end`: batch mode flushes every second, but behind a burst
+    (a thousand pods started) it ran minutes late, and a count after a fixed wait read nothing."""
+    deadline = time.monotonic() + 300
+    while not audit_written_past(box.audit_log, end) and time.monotonic() < deadline:
+        client.VersionApi(box.api).get_code()  # a request of our own, for the log to show
+        time.sleep(1.0)
     with box.audit_log.open("rb") as f:
         f.seek(offset)
         return count_requests(f, box.username, start, end)
@@ -285,6 +228,23 @@ def report_lags(
     )
 
 
+def create_timed(
+    box: Sandbox, sw: ServiceWatch, res: ScaleResult, docs: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
+    """Create the services and time their first status (and what reaching it cost)."""
+    names = [str(d["metadata"]["name"]) for d in docs]
+    assert box.op.proc is not None
+    offset, ticks0 = box.audit_log.stat().st_size, proc_sample(box.op.proc.pid)[0]
+    wall0, t0 = time.time(), time.monotonic()
+    create_all(box.api, docs, args.concurrency)
+    res.create_seconds = time.monotonic() - t0
+    res.status_seconds = sw.all_synced(names, t0 + args.timeout) - t0
+    res.create_cpu_seconds = (proc_sample(box.op.proc.pid)[0] - ticks0) / os.sysconf("SC_CLK_TCK")
+    res.create_requests = audit_count(box, offset, wall0, wall0 + res.status_seconds)
+    took = f"created in {res.create_seconds:.1f} s, all have status after {res.status_seconds:.1f} s"
+    log(f"N={len(names)}: {took}")
+
+
 def measure(
     box: Sandbox,
     sw: ServiceWatch,
@@ -296,15 +256,7 @@ def measure(
     names = [str(d["metadata"]["name"]) for d in docs]
     n = len(names)
     log(f"N={n}: operator up as {box.username}; creating {n} LLMServices")
-    assert box.op.proc is not None
-    offset, ticks0 = box.audit_log.stat().st_size, proc_sample(box.op.proc.pid)[0]
-    wall0, t0 = time.time(), time.monotonic()
-    create_all(box.api, docs, args.concurrency)
-    res.create_seconds = time.monotonic() - t0
-    res.status_seconds = sw.all_synced(names, t0 + args.timeout) - t0
-    res.create_cpu_seconds = (proc_sample(box.op.proc.pid)[0] - ticks0) / os.sysconf("SC_CLK_TCK")
-    res.create_requests = audit_count(box, offset, wall0, wall0 + res.status_seconds)
-    log(f"N={n}: created in {res.create_seconds:.1f} s, all have status after {res.status_seconds:.1f} s")
+    create_timed(box, sw, res, docs, args)
     # The steady state starts once the first passes' follow-ups are done: at least --settle
     # seconds, then until no LLMService changed for --quiet seconds (at most --settle-max).
     synced = time.monotonic()
@@ -361,6 +313,8 @@ def run_one(n: int, args: argparse.Namespace, operator_env: dict[str, str]) -> S
 
 
 def main() -> int:
+    import scale_running  # here: it imports this module, which must be loaded first
+
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--services", default="25,100", help="comma-separated N, each on a fresh control plane")
     ap.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
@@ -393,6 +347,7 @@ def main() -> int:
     ap.add_argument("--operator-env", action="append", default=[], metavar="KEY=VAL", help="repeatable")
     ap.add_argument("--keep", action="store_true", help="keep each N's folder (logs, audit log)")
     ap.add_argument("--verbose", action="store_true", help="also the requests by verb and resource")
+    scale_running.add_running_args(ap)
     args = ap.parse_args()
     try:
         counts = parse_counts(args.services)
@@ -403,6 +358,8 @@ def main() -> int:
         }
     except ValueError as e:
         ap.error(str(e))
+    if args.running:  # every pod Running, real agents: scale_running.py
+        return scale_running.main_running(args, counts, operator_env)
     results: list[ScaleResult] = []
     failed: str | None = None
     for n in counts:
@@ -413,25 +370,14 @@ def main() -> int:
             log(failed)
             break
     if results:
-        print(
+        title = (
             f"operator at scale: TP{args.tp} LLMServices"
             + (f", {args.multi_node:.0%} of them over 2 pods (PP 2)" if args.multi_node else "")
             + ", pods Pending (no GPU node); "
             f"window {args.window:g} s; operator env {env_summary(operator_env)}; "
             f"python {platform.python_version()}, {os.cpu_count()} CPUs"
         )
-        print()
-        print(render_table(headers(results), summary_rows(results)))
-        if args.verbose:
-            print()
-            print("API requests per service per minute in the window, by verb and resource")
-            print("(counted at RequestReceived: a WATCH once, when opened):")
-            print()
-            print(render_table(headers(results, last=None, first="request"), breakdown_rows(results)))
-            print()
-            print("API requests per service from the first create until every service had its status:")
-            print()
-            print(render_table(headers(results, last=None, first="request"), first_status_rows(results)))
+        print_tables(title, summary_rows(results), results, args.verbose)
     if failed:
         print(f"setup failed: {failed}", file=sys.stderr)
         return 1

@@ -295,3 +295,20 @@ def count_log_errors(lines: Iterable[str]) -> int:
 
 def env_summary(env: Mapping[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
+def print_tables(title: str, rows: list[list[str]], results: Sequence[ScaleResult], verbose: bool) -> None:
+    """The run's table (one column per N), and with `verbose` the requests by verb and resource."""
+    print(title)
+    print()
+    print(render_table(headers(results), rows))
+    if verbose:
+        print()
+        print("API requests per service per minute in the window, by verb and resource")
+        print("(counted at RequestReceived: a WATCH once, when opened):")
+        print()
+        print(render_table(headers(results, last=None, first="request"), breakdown_rows(results)))
+        print()
+        print("API requests per service from the first create until every service had its status:")
+        print()
+        print(render_table(headers(results, last=None, first="request"), first_status_rows(results)))

@@ -19,8 +19,11 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import operator_scale  # noqa: E402
 import run_all  # noqa: E402
+import scale_agents  # noqa: E402
 import scale_measure as sm  # noqa: E402
+import scale_running  # noqa: E402
 from scale_watch import ServiceWatch  # noqa: E402
 
 OPERATOR = "system:serviceaccount:rankguard-system:rankguard"
@@ -231,3 +234,25 @@ def test_quiet_means_no_change_for_that_long() -> None:
     assert not sw.wait_quiet(3600.0, time.monotonic() + 0.2)  # still changing when it gives up
     assert sw.wait_quiet(0.1, time.monotonic() + 60.0)
     assert sw.modified_between(0.0, time.monotonic() + 1) == 1
+
+
+def test_running_mode_addresses_and_pass_counts() -> None:
+    ips = scale_agents.running_ips(252)
+    assert ips[0] == "127.1.0.1" and ips[249] == "127.1.0.250" and ips[250] == "127.1.1.1"
+    assert len(set(ips)) == 252 and not any(ip.endswith((".0", ".255")) for ip in ips)
+    text = (
+        "# TYPE rankguard_operator_passes_total counter\n"
+        'rankguard_operator_passes_total{llmservice="a",namespace="bench"} 3.0\n'
+        'rankguard_operator_passes_total{llmservice="b",namespace="bench"} 4.0\n'
+        'rankguard_operator_passes_total{llmservice="c",namespace="other"} 50.0\n'
+    )
+    assert scale_running.passes_total(text, "bench") == 7.0
+
+
+def test_the_audit_count_waits_until_the_log_has_caught_up(tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    log.write_text(audit_line(at="2026-12-01T12:00:30.250000Z") + "\n")
+    at = sm.parse_iso("2026-12-01T12:00:30.250000Z")
+    assert at is not None
+    assert operator_scale.audit_written_past(log, at)
+    assert not operator_scale.audit_written_past(log, at + 1)

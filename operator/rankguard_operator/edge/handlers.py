@@ -7,7 +7,8 @@ policy within one API round trip, while the loop itself stays level-triggered: e
 re-reads the world and is idempotent, so a lost or repeated event changes nothing.
 
 Cadence: a service with something that changes without a watch event (a remediation under
-way, pods starting on a node) passes every RANKGUARD_SCRAPE_INTERVAL; any other waits for an
+way, pods starting on a node, an agent not answering) passes every RANKGUARD_SCRAPE_INTERVAL;
+any other waits for an
 event, for its agents' news (edge/report_feed: each serving pod's agent is long-polled, and a
 report that moves a rank's figure by 1 % of its GPU or across a policy line wakes the loop) or
 for RANKGUARD_RESYNC_INTERVAL. That is what lets one operator carry a thousand Running services.
@@ -49,6 +50,7 @@ from rankguard_operator.edge import k8s
 from rankguard_operator.edge.api_health import HEALTH, KopfRetryFilter
 from rankguard_operator.edge.config import OperatorConfig
 from rankguard_operator.edge.executor import Seen, ServiceExecutor
+from rankguard_operator.edge.main import trim_freed_memory
 from rankguard_operator.edge.metrics_server import start_metrics_server
 from rankguard_operator.edge.scrape import close_shared_session
 
@@ -56,6 +58,7 @@ log = logging.getLogger("rankguard_operator")
 
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
 UNEXPECTED_BACKOFF = 10.0  # seconds before kopf restarts a daemon after an unexpected error
+TRIM_EVERY_SECONDS = 60.0  # freed memory handed back to the system this often (edge/main)
 
 Key = tuple[str, str]  # (namespace, the LLMService's label value: names.label_value)
 
@@ -111,6 +114,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     HEALTH.use_probe(k8s.readyz)
     _fold_kopf_retries()
     start_metrics_server(config.metrics_host, config.metrics_port)
+    memo["trimmer"] = asyncio.ensure_future(_trim_periodically())
+
+
+async def _trim_periodically() -> None:
+    # At 1,000 Running services the operator's RSS was 308 MiB without it (docs/benchmarks.md).
+    while True:
+        await asyncio.sleep(TRIM_EVERY_SECONDS)
+        trim_freed_memory()
 
 
 def _fold_kopf_retries() -> None:
@@ -122,7 +133,10 @@ def _fold_kopf_retries() -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    trimmer = memo.get("trimmer")
+    if isinstance(trimmer, asyncio.Task):
+        trimmer.cancel()
     await close_shared_session()
     await HEALTH.close()
 

@@ -330,6 +330,9 @@ class ControlPlane:
             "--audit-log-mode=batch",
             "--audit-log-batch-max-wait=1s",
             "--audit-log-maxbackup=0",
+            # never rotated: a bench counts from an offset into this one file (the default, 100 MB,
+            # was reached by N=1,000 Running pods' start-up, and a count read the new file empty)
+            "--audit-log-maxsize=1000000",
         ]
 
     def component(self, name: str) -> Component:
