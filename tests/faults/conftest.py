@@ -100,7 +100,10 @@ class Drill:
         op = OperatorProcess(
             self.cp.kubeconfig,
             self.workdir / "operator.log",
-            env_extra={"RANKGUARD_WATCH_NAMESPACES": self.namespace},
+            # A Running service passes on its agents' news and every resync (issue 31); a drill's
+            # "the loop looked" counts passes, so as often as the scrape interval (as the cluster
+            # tier's conftest does).
+            env_extra={"RANKGUARD_WATCH_NAMESPACES": self.namespace, "RANKGUARD_RESYNC_INTERVAL": "2"},
             metrics=metrics,
         )
         self.operator = op

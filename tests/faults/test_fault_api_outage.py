@@ -66,14 +66,18 @@ def test_control_plane_outage_recovers_without_restart_and_logs_it_once(
     assert not died, f"the operator exited during the {component} outage"
     # ... and it lasts until the operator has said so: on a loaded machine its first failing
     # call may end later than that (against etcd each one waits out the API server's timeout),
-    # and a component back before then leaves nothing unreachable to report.
-    wait_for(
-        f"the operator to log '{UNREACHABLE}'",
-        lambda: any(UNREACHABLE in ln for ln in _lines(d)[before:]) or not d.op.alive(),
-        120,
-        every=0.5,
-        dump=lambda: _lines(d)[-40:],  # not d.dump: it reads the services from the API, down now
-    )
+    # and a component back before then leaves nothing unreachable to report. Against etcd only
+    # if it had a call to make: steady Running services write nothing (issue 31: no status
+    # write for figures that only drift) and the watches live on the API server's cache, so the
+    # operator may go through the whole etcd outage without a failing call, and say nothing.
+    if component == "kube-apiserver":
+        wait_for(
+            f"the operator to log '{UNREACHABLE}'",
+            lambda: any(UNREACHABLE in ln for ln in _lines(d)[before:]) or not d.op.alive(),
+            120,
+            every=0.5,
+            dump=lambda: _lines(d)[-40:],  # not d.dump: it reads the services from the API, down now
+        )
     assert d.op.alive(), f"the operator exited during the {component} outage"
     d.cp.restart(component)
     up_at = time.monotonic()
@@ -112,8 +116,12 @@ def test_control_plane_outage_recovers_without_restart_and_logs_it_once(
         print(f"  {n:5d}  {text}")
 
     assert d.op.alive() and d.op.pid == pid, "the operator was restarted or died during the outage"
-    assert len(unreachable) == 1, f"want one '{UNREACHABLE}' line for the outage, got {unreachable[:5]}"
-    assert len(again) == 1, f"want one '{REACHABLE_AGAIN}' line after the outage, got {again[:5]}"
+    # one line for the outage (against etcd, none when no call of the operator's failed)
+    said = 1 if component == "kube-apiserver" else len(unreachable)
+    assert len(unreachable) == said <= 1, (
+        f"want one '{UNREACHABLE}' line for the outage, got {unreachable[:5]}"
+    )
+    assert len(again) == said, f"want {said} '{REACHABLE_AGAIN}' line(s) after the outage, got {again[:5]}"
     assert len(added) < MAX_LOG_LINES, (
         f"{len(added)} log lines from the stop to the recovery (limit {MAX_LOG_LINES}); "
         f"first ones: {added[:10]}"

@@ -52,6 +52,7 @@ def test_two_replicas_one_oom_one_roll_and_the_standby_takes_over(drill: Drill) 
             d.workdir / f"operator-{who}.log",
             env_extra={
                 "RANKGUARD_WATCH_NAMESPACES": d.namespace,
+                "RANKGUARD_RESYNC_INTERVAL": "2",  # the new leader's passes are counted (conftest)
                 "RANKGUARD_LEADER_ELECTION": "true",
                 "RANKGUARD_LEASE_NAME": LEASE,
                 "RANKGUARD_LEASE_NAMESPACE": d.namespace,

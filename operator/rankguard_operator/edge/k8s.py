@@ -133,16 +133,21 @@ def _refused_as_500(e: ApiException) -> bool:
 async def readyz() -> bool:
     """Whether the API server answers /readyz (HEALTH's probe during an outage)."""
 
-    def call() -> Any:
-        return api().call_api(
-            "/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False, _request_timeout=5
+    def call() -> int:
+        # as apply() calls: the client's call_api takes a serialised request since kubernetes 37
+        # (the keyword form before it raised TypeError there, which ended the probe at once)
+        c = api()
+        response = c.call_api(
+            *c.param_serialize("GET", "/readyz", auth_settings=["BearerToken"]), _request_timeout=5
         )
+        response.read()
+        return int(response.status)
 
     try:
-        await asyncio.to_thread(call)
+        status = await asyncio.to_thread(call)
     except (ApiException, *_CONNECTION_ERRORS):
         return False
-    return True
+    return status == 200
 
 
 def _refusal_detail(e: ApiException) -> str:
