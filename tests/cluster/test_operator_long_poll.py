@@ -5,14 +5,12 @@ written to status, and a drop beyond it reaches status.ranks."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from operator_world import QUIET_PASSES, GiB, MiB, World, operator, service_doc
+from operator_world import QUIET_PASSES, GiB, MiB, ReportServer, World, operator, service_doc
 
 from rankguard_agent.gpu.sim import SimBackend
 from rankguard_agent.gpu.simfiles import write_device, write_proc
@@ -25,15 +23,14 @@ from rankguard_sim.waiting import wait_for
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class RealAgent:
-    """The agent's own app on 127.0.0.1:<port> in a thread of its own, counting answered polls."""
+class RealAgent(ReportServer):
+    """The agent's own app on 127.0.0.1:<port> (ReportServer's thread and loop), counting
+    answered polls."""
 
     def __init__(self, state: AgentState, port: int) -> None:
-        self.state, self.port = state, port
+        super().__init__(port)
+        self.state = state
         self.polls = 0  # answers to a long-poll that named an earlier answer (`since`)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
 
     @web.middleware
     async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -48,18 +45,6 @@ class RealAgent:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def __enter__(self) -> RealAgent:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 def min_free(world: World, name: str) -> list[int]:
