@@ -9,8 +9,13 @@ its GPU-less fake node) and waits until every service's status shows all its ran
 steady window measures, besides the Pending mode's CPU, RSS and API requests:
 
 - status writes per service per minute: the operator's `patch llmservices/status` in the audit log;
-- step passes per service per minute: `rankguard_operator_passes_total` from the operator's
-  /metrics, read at the window's start and end;
+- step passes per service per minute: each service's `rankguard_operator_passes_total` and
+  `rankguard_operator_last_pass_timestamp_seconds` from the operator's /metrics, read at the
+  window's start and end: the passes after the last one the first read saw, over the time from
+  that pass to the last one the second read saw (`pass_rate`). The services pass in bursts (they
+  started together; a steady one passes every 30 s), and the window starts one settle after a
+  burst: a count over the window's own length would weigh a burst at both of its ends (2.02);
+
 - the agents' /report answers per second and their CPU (every agent process, /proc).
 
 Then the spec -> status lag (as the Pending mode), and the drop -> status lag: `--drops`
@@ -30,9 +35,9 @@ import random
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from kubernetes import client
@@ -65,7 +70,10 @@ from scale_sandbox import BENCH_NS, Sandbox, log, sandbox
 from scale_watch import ServiceWatch
 
 STATUS_WRITE = "patch llmservices/status"
+T = TypeVar("T")
+
 PASSES_SAMPLE = "rankguard_operator_passes_total"  # edge/metrics.PASSES, as its samples are named
+LAST_PASS_SAMPLE = "rankguard_operator_last_pass_timestamp_seconds"  # edge/metrics.LAST_PASS
 
 
 class RankWatch(ServiceWatch):
@@ -111,27 +119,56 @@ class RunningExtra:
 
     pods_running_seconds: float = math.nan  # binding + status of every pod
     all_ranks_seconds: float = math.nan  # first pod run -> every service shows every rank
-    passes: float = math.nan  # rankguard_operator_passes_total, bench namespace, in the window
+    passes: float = math.nan  # the bench services' passes in the window (pass_rate)
+    passes_seconds: float = math.nan  # service-seconds they took
     served: int = 0  # the agents' /report answers in the window
+    served_seconds: float = math.nan  # between the two reads of that count
     agents_cpu_per_minute: float = math.nan
     agents_rss_bytes: int = 0
     drop_lags: list[float] = field(default_factory=list)
     drop_missed: int = 0
 
 
-def passes_total(text: str, namespace: str) -> float:
-    """The sum of the operator's pass counter over the namespace's services."""
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == PASSES_SAMPLE and s.labels.get("namespace") == namespace
-    )
+PassMarks = dict[str, tuple[float, float]]  # service -> (its passes so far, its last pass's time)
 
 
-def metrics_passes(box: Sandbox) -> float:
+def pass_marks(text: str, namespace: str) -> PassMarks:
+    """Each of the namespace's services' pass count and the time its last pass finished."""
+    count: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("namespace") != namespace:
+                continue
+            if s.name == PASSES_SAMPLE:
+                count[s.labels.get("llmservice", "")] = s.value
+            elif s.name == LAST_PASS_SAMPLE:
+                last[s.labels.get("llmservice", "")] = s.value
+    return {svc: (n, last[svc]) for svc, n in count.items() if svc in last}
+
+
+def pass_rate(before: PassMarks, after: PassMarks) -> tuple[float, float]:
+    """The passes between two reads and the service-seconds they took: per service, the passes
+    after the last one `before` saw up to the last one `after` saw, over the time between those
+    two passes (a service that passes every 30 s gives exactly 2 a minute, wherever the reads
+    fall in its cycle). A service without a pass in between adds nothing."""
+    passes = seconds = 0.0
+    for svc, (n1, t1) in after.items():
+        n0, t0 = before.get(svc, (n1, t1))
+        if n1 > n0 and t1 > t0:
+            passes, seconds = passes + (n1 - n0), seconds + (t1 - t0)
+    return passes, seconds
+
+
+def timed(read: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """What `read` returned, and the monotonic time it returned at."""
+    value = read(*args)
+    return value, time.monotonic()
+
+
+def metrics_passes(box: Sandbox) -> PassMarks:
     with urllib.request.urlopen(box.op.metrics_url, timeout=10) as r:
-        return passes_total(r.read().decode(), BENCH_NS)
+        return pass_marks(r.read().decode(), BENCH_NS)
 
 
 def run_pods(api: Any, names: list[str], ips: list[str], *, concurrency: int, timeout: float) -> None:
@@ -171,22 +208,23 @@ def steady(
     assert box.op.proc is not None
     pid, hz = box.op.proc.pid, os.sysconf("SC_CLK_TCK")
     offset = box.audit_log.stat().st_size
-    passes0, served0, (aticks0, _) = metrics_passes(box), fleet.served(), agents_sample(fleet.pids)
+    # The agents' count is timed on its own read (over the window's nominal length, the reads'
+    # own time would count answers for nothing); the passes carry their own times (pass_rate).
+    passes0, (served0, smono0) = metrics_passes(box), timed(fleet.served)
+    aticks0, _ = agents_sample(fleet.pids)
     ticks0, _ = proc_sample(pid)
     wall0, mono0 = time.time(), time.monotonic()
     time.sleep(window)
     ticks1, mem = proc_sample(pid)
     wall1, mono1 = time.time(), time.monotonic()
-    passes1, served1, (aticks1, ex.agents_rss_bytes) = (
-        metrics_passes(box),
-        fleet.served(),
-        agents_sample(fleet.pids),
-    )
+    aticks1, ex.agents_rss_bytes = agents_sample(fleet.pids)
+    passes1, (served1, smono1) = metrics_passes(box), timed(fleet.served)
     res.window_seconds = mono1 - mono0
     res.cpu_per_minute = cpu_seconds_per_minute(ticks1 - ticks0, hz, res.window_seconds)
     res.rss_bytes = mem.get("VmRSS", 0)
     res.changes_seen = sw.modified_between(mono0, mono1)
-    ex.passes, ex.served = passes1 - passes0, served1 - served0
+    ex.passes, ex.passes_seconds = pass_rate(passes0, passes1)
+    ex.served, ex.served_seconds = served1 - served0, smono1 - smono0
     ex.agents_cpu_per_minute = cpu_seconds_per_minute(aticks1 - aticks0, hz, res.window_seconds)
     res.requests = audit_count(box, offset, wall0, wall1)
 
@@ -298,6 +336,10 @@ def measure_running(
     ex.drop_lags, ex.drop_missed = drop_lags(sw, fleet, names, ips, total=total, args=args)
 
 
+def _per_minute(passes: float, service_seconds: float) -> str:
+    return f"{passes / service_seconds * 60:.2f}" if service_seconds > 0 else "n/a"
+
+
 def running_rows(results: Sequence[ScaleResult], extras: Sequence[RunningExtra]) -> list[list[str]]:
     """The Pending mode's rows (less the quiet wait, fixed here) and the Running mode's own."""
     pairs = list(zip(results, extras, strict=True))
@@ -314,10 +356,10 @@ def running_rows(results: Sequence[ScaleResult], extras: Sequence[RunningExtra])
             *[rate(r.requests.get(STATUS_WRITE, 0), r) for r, _ in pairs],
             "<= 1",
         ],
-        ["step passes / service / min", *[rate(e.passes, r) for r, e in pairs], "<= 2"],
+        ["step passes / service / min", *[_per_minute(e.passes, e.passes_seconds) for e in extras], "<= 2"],
         ["drop -> status lag p50", *[d[0] for d in drop], ""],
         ["drop -> status lag p99", *[d[1] for d in drop], "< 5 s"],
-        ["agents: /report answers / s", *[f"{e.served / r.window_seconds:.1f}" for r, e in pairs], ""],
+        ["agents: /report answers / s", *[f"{e.served / e.served_seconds:.1f}" for e in extras], ""],
         ["agents CPU (all processes)", *[f"{e.agents_cpu_per_minute:.1f} s/min" for e in extras], ""],
         ["agents RSS (all processes)", *[f"{e.agents_rss_bytes / (1 << 20):.0f} MiB" for e in extras], ""],
     ]

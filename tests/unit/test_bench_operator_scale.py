@@ -240,13 +240,33 @@ def test_running_mode_addresses_and_pass_counts() -> None:
     ips = scale_agents.running_ips(252)
     assert ips[0] == "127.1.0.1" and ips[249] == "127.1.0.250" and ips[250] == "127.1.1.1"
     assert len(set(ips)) == 252 and not any(ip.endswith((".0", ".255")) for ip in ips)
-    text = (
-        "# TYPE rankguard_operator_passes_total counter\n"
-        'rankguard_operator_passes_total{llmservice="a",namespace="bench"} 3.0\n'
-        'rankguard_operator_passes_total{llmservice="b",namespace="bench"} 4.0\n'
-        'rankguard_operator_passes_total{llmservice="c",namespace="other"} 50.0\n'
+
+    def text(marks: dict[str, tuple[float, float]]) -> str:
+        lines = ["# TYPE rankguard_operator_passes_total counter"]
+        lines += [
+            f'rankguard_operator_passes_total{{llmservice="{s}",namespace="{ns}"}} {n}'
+            for (ns, s), (n, _) in marks.items()
+        ]
+        lines += ["# TYPE rankguard_operator_last_pass_timestamp_seconds gauge"]
+        lines += [
+            f'rankguard_operator_last_pass_timestamp_seconds{{llmservice="{s}",namespace="{ns}"}} {t}'
+            for (ns, s), (_, t) in marks.items()
+        ]
+        return "\n".join(lines) + "\n"
+
+    # a passes every 30 s; b did once more (woken); c is another namespace's; d had no pass since
+    before = scale_running.pass_marks(
+        text({("bench", "a"): (3, 1000.0), ("bench", "b"): (4, 1010.0), ("other", "c"): (50, 1000.0),
+              ("bench", "d"): (1, 990.0)}),
+        "bench",
+    )  # fmt: skip
+    assert before == {"a": (3.0, 1000.0), "b": (4.0, 1010.0), "d": (1.0, 990.0)}
+    after = scale_running.pass_marks(
+        text({("bench", "a"): (7, 1120.0), ("bench", "b"): (9, 1130.0), ("bench", "d"): (1, 990.0)}), "bench"
     )
-    assert scale_running.passes_total(text, "bench") == 7.0
+    passes, seconds = scale_running.pass_rate(before, after)
+    assert (passes, seconds) == (4 + 5, 120 + 120)  # a: 4 in 120 s (2 a minute, the reads anywhere)
+    assert scale_running._per_minute(passes, seconds) == "2.25"
 
 
 def test_the_audit_count_waits_until_the_log_has_caught_up(tmp_path: Path) -> None:

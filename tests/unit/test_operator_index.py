@@ -1,5 +1,6 @@
 """The pod index and the daemon agree on a service's key, whatever the LLMService's name; the
-watch of LLMServices tells a running daemon that its service is gone."""
+watch of LLMServices tells a running daemon that its service is gone; what the watches keep in
+memory is what the loop reads, and no more."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ import pytest
 
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.observe.pods import deployment_template_hash, rollout_state
 from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.step.world import same_template
 from rankguard_operator.core.units import GiB
-from rankguard_operator.edge.handlers import _gone, _wakers, service_key, serving_pods, spec_changed
+from rankguard_operator.edge.handlers import (
+    _gone,
+    _wakers,
+    drop_managed_fields,
+    service_key,
+    serving_deployments,
+    serving_pods,
+    spec_changed,
+)
 
 SPEC = parse_spec(
     {
@@ -60,3 +71,57 @@ async def test_a_deleted_event_marks_a_running_daemons_service_gone_and_wakes_it
     other = cast(kopf.Body, {"metadata": {"name": "other", "uid": "u-2"}})
     await spec_changed(name="other", namespace="ns", body=other, type="DELETED", memo=memo)
     assert _gone(memo) == {"u-1"}
+
+
+async def test_the_body_kopf_keeps_for_the_daemon_loses_its_managed_fields_and_nothing_else() -> None:
+    """kopf's daemon body is a view of the watch event's object (it replaces the view's source
+    with each event's): the handler empties that object of managedFields, half an LLMService's
+    memory at a thousand services, and leaves everything the loop reads."""
+    managed = [{"manager": "rankguard", "operation": "Update", "fieldsV1": {"f:status": {".": {}}}}]
+    raw: dict[str, Any] = {
+        "metadata": {"name": "llama", "uid": "u-1", "generation": 2, "managedFields": managed},
+        "spec": {"tensorParallelSize": 8},
+        "status": {"phase": "Running"},
+    }
+    kept = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    kept["metadata"].pop("managedFields")
+    body = kopf.Body(raw)  # what kopf keeps (processing: live_fresh_body over the raw object)
+    await drop_managed_fields(event={"type": "MODIFIED", "object": raw})
+    assert "managedFields" not in body["metadata"]
+    assert dict(body) == kept
+    await drop_managed_fields(event={"type": None, "object": {"metadata": None}})  # nothing to drop
+
+
+async def test_the_deployment_index_keeps_what_the_loop_reads_of_a_rollout_without_the_pod_spec() -> None:
+    """The index leaves out the pod template's spec (two thirds of a Deployment in memory): the
+    loop knows the template by its hash annotation, so a Deployment running the render still
+    reads as the render, and its rollout as the controller reports it."""
+    rendered = render_deployment(
+        "llama", "ns", "uid", SPEC, ServingFlags(kv_cache_memory_bytes=10 * GiB), agent_image="a:1", plan=None
+    )
+    live = {
+        **rendered,
+        "metadata": {
+            **rendered["metadata"],
+            "uid": "d-1",
+            "generation": 3,
+            "managedFields": [{"manager": "x"}],
+        },
+        "status": {
+            "observedGeneration": 3,
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": 1,
+            "availableReplicas": 1,
+        },
+    }
+    indexed = await serving_deployments(namespace="ns", name="llama", body=cast(kopf.Body, live))
+    (doc,) = indexed.values()
+    assert list(indexed) == [("ns", "llama")]
+    assert "spec" not in doc["spec"]["template"] and "managedFields" not in doc["metadata"]
+    assert doc["spec"]["template"]["metadata"] == rendered["spec"]["template"]["metadata"]
+    assert same_template(doc, rendered, SPEC.replicas)
+    hash_ = deployment_template_hash(rendered) or ""
+    assert rollout_state(doc, hash_) == rollout_state(live, hash_)
+    assert rollout_state(doc, hash_).phase == "complete"
+    assert "spec" in live["spec"]["template"]  # the watched object itself is left as it was

@@ -198,9 +198,16 @@ async def serving_pods(
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED, when=_ours)
 async def serving_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Deployments by (namespace, name), without managedFields: the loop's view of its rollout."""
+    """Deployments by (namespace, name), without managedFields nor their pod template's spec: the
+    loop's view of its rollout. It knows a template by the hash annotation on the template's
+    metadata (core/observe/pods.deployment_template_hash), never by its spec, which is two
+    thirds of a Deployment in memory (18 of 27 KiB; 18 MiB at a thousand services)."""
     doc = {k: v for k, v in dict(body).items() if k != "metadata"}
     doc["metadata"] = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
+    spec = dict(body.get("spec") or {})
+    if isinstance(spec.get("template"), dict):
+        spec["template"] = {k: v for k, v in spec["template"].items() if k != "spec"}
+    doc["spec"] = spec
     return {(namespace, name): doc}
 
 
@@ -281,6 +288,17 @@ async def spec_changed(
             _wake(memo, *key)
     elif meta.get("generation") != (body.get("status") or {}).get("observedGeneration"):
         _wake(memo, *key)
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL, when=_ours)
+async def drop_managed_fields(event: kopf.RawEvent, **_: Any) -> None:
+    """kopf keeps each LLMService's latest body, as the watch decoded it, for its daemon (the
+    `body` the loop reads). Its managedFields are half of it — 27 of 56 KiB as Python objects at
+    eight ranks, 27 MiB at a thousand services (issue 31) — and nothing here reads them, so they
+    go from the event's object, which is the very dict kopf keeps."""
+    meta: Any = (event.get("object") or {}).get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
 
 
 @kopf.index(API_GROUP, API_VERSION, PLURAL, when=_ours)
