@@ -15,6 +15,7 @@ from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import deployment_template_hash, rollout_state
 from rankguard_operator.core.render.deployment import render_deployment
 from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_operator.core.step.scale_down import at_zero
 from rankguard_operator.core.step.world import same_template
 from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.handlers import (
@@ -26,6 +27,7 @@ from rankguard_operator.edge.handlers import (
     serving_pods,
     spec_changed,
 )
+from rankguard_operator.edge.packed import POD_SPEC_JSON, unpacked_deployment
 
 SPEC = parse_spec(
     {
@@ -92,36 +94,29 @@ async def test_the_body_kopf_keeps_for_the_daemon_loses_its_managed_fields_and_n
     await drop_managed_fields(event={"type": None, "object": {"metadata": None}})  # nothing to drop
 
 
-async def test_the_deployment_index_keeps_what_the_loop_reads_of_a_rollout_without_the_pod_spec() -> None:
-    """The index leaves out the pod template's spec (two thirds of a Deployment in memory): the
-    loop knows the template by its hash annotation, so a Deployment running the render still
-    reads as the render, and its rollout as the controller reports it."""
+async def test_the_deployment_index_packs_the_pod_spec_and_a_pass_gets_the_deployment_back_whole() -> None:
+    """The index keeps the pod template's spec as one JSON string (two thirds of a Deployment in
+    memory as objects); a pass gets the Deployment back as watched, less its managedFields: it
+    reads as the render, its rollout as the controller reports it, and a Failed service's scale
+    to zero (which applies the live object back) carries the whole template. Before: the index
+    left the pod spec out, and that apply was refused (422: containers required)."""
     rendered = render_deployment(
         "llama", "ns", "uid", SPEC, ServingFlags(kv_cache_memory_bytes=10 * GiB), agent_image="a:1", plan=None
     )
     live = {
         **rendered,
-        "metadata": {
-            **rendered["metadata"],
-            "uid": "d-1",
-            "generation": 3,
-            "managedFields": [{"manager": "x"}],
-        },
-        "status": {
-            "observedGeneration": 3,
-            "replicas": 1,
-            "updatedReplicas": 1,
-            "readyReplicas": 1,
-            "availableReplicas": 1,
-        },
+        "metadata": {**rendered["metadata"], "uid": "d-1", "generation": 3, "managedFields": [{}]},
+        "status": {"observedGeneration": 3, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1},
     }
     indexed = await serving_deployments(namespace="ns", name="llama", body=cast(kopf.Body, live))
-    (doc,) = indexed.values()
+    (kept,) = indexed.values()
     assert list(indexed) == [("ns", "llama")]
-    assert "spec" not in doc["spec"]["template"] and "managedFields" not in doc["metadata"]
-    assert doc["spec"]["template"]["metadata"] == rendered["spec"]["template"]["metadata"]
-    assert same_template(doc, rendered, SPEC.replicas)
-    hash_ = deployment_template_hash(rendered) or ""
-    assert rollout_state(doc, hash_) == rollout_state(live, hash_)
-    assert rollout_state(doc, hash_).phase == "complete"
+    assert "spec" not in kept["spec"]["template"] and isinstance(kept[POD_SPEC_JSON], str)
+    whole = unpacked_deployment(kept)
+    metadata = {k: v for k, v in live["metadata"].items() if k != "managedFields"}
+    assert whole == {**live, "metadata": metadata}
+    assert "spec" not in kept["spec"]["template"]  # unpacking left the kept entry as it was
+    assert same_template(whole, rendered, SPEC.replicas)
+    assert rollout_state(whole, deployment_template_hash(rendered) or "").phase != "unknown"
+    assert at_zero(whole, "Deployment")["spec"]["template"] == rendered["spec"]["template"]
     assert "spec" in live["spec"]["template"]  # the watched object itself is left as it was

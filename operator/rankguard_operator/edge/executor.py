@@ -73,6 +73,7 @@ from rankguard_operator.edge.metrics import (
     SERVICE_GAUGES,
     forget_service,
 )
+from rankguard_operator.edge.packed import unpacked_deployment
 from rankguard_operator.edge.reads import NODE_LABELS, KeptRead, WarningEvents, exists
 from rankguard_operator.edge.report_feed import ReportFeed
 from rankguard_operator.edge.scrape import Scraper, Target
@@ -205,7 +206,7 @@ class ServiceExecutor:
                 return dict(mine)
             else:
                 self._applied = None  # the watch has caught up: no second copy to keep
-        return dict(watched) if watched is not None else None
+        return unpacked_deployment(watched) if watched is not None else None
 
     def _statefulsets(self, watched: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The watched StatefulSets, each replaced by the one our own apply returned while the

@@ -52,6 +52,7 @@ from rankguard_operator.edge.config import OperatorConfig
 from rankguard_operator.edge.executor import Seen, ServiceExecutor
 from rankguard_operator.edge.main import trim_freed_memory
 from rankguard_operator.edge.metrics_server import start_metrics_server
+from rankguard_operator.edge.packed import packed_deployment, without_managed_fields
 from rankguard_operator.edge.scrape import close_shared_session
 
 log = logging.getLogger("rankguard_operator")
@@ -198,17 +199,9 @@ async def serving_pods(
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED, when=_ours)
 async def serving_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Deployments by (namespace, name), without managedFields nor their pod template's spec: the
-    loop's view of its rollout. It knows a template by the hash annotation on the template's
-    metadata (core/observe/pods.deployment_template_hash), never by its spec, which is two
-    thirds of a Deployment in memory (18 of 27 KiB; 18 MiB at a thousand services)."""
-    doc = {k: v for k, v in dict(body).items() if k != "metadata"}
-    doc["metadata"] = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
-    spec = dict(body.get("spec") or {})
-    if isinstance(spec.get("template"), dict):
-        spec["template"] = {k: v for k, v in spec["template"].items() if k != "spec"}
-    doc["spec"] = spec
-    return {(namespace, name): doc}
+    """Deployments by (namespace, name), without managedFields and their pod template's spec
+    packed (edge/packed): the loop's view of its rollout."""
+    return {(namespace, name): packed_deployment(body)}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
@@ -220,9 +213,7 @@ async def serving_statefulsets(
     service = labels.get(LLMSERVICE_LABEL)
     if not service:
         return {}
-    doc = {k: v for k, v in dict(body).items() if k != "metadata"}
-    doc["metadata"] = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
-    return {(namespace, service): doc}
+    return {(namespace, service): without_managed_fields(body)}
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
