@@ -9,6 +9,7 @@ and started again. A kill is either timed (it lands wherever the services happen
 follows a step the drill watches for (a new `status.pendingRemediation`, a new
 `rankguard.io/remediation-id` on a Deployment), so it lands between the steps of a pass:
 after the intent and before the roll, or after the roll and before the final status write.
+Kills follow steps until three have interrupted a remediation; the plan draws freely after.
 Right after each kill the drill records where every service stood (the operator is dead,
 so nothing of its moves). Rerun a plan with RANKGUARD_FAULT_SEED=<the seed printed>.
 """
@@ -181,7 +182,11 @@ def test_sigkill_during_remediation_rolls_each_service_exactly_once(drill: Drill
         for number in range(1, MAX_KILLS + 1):
             if all_done():
                 break
-            trigger = rng.choice(("timer", "intent", "roll"))
+            # Kills follow steps until three have interrupted a remediation, so no draw leaves the
+            # drill without them (a remediation takes well under a second: a timed kill finds one
+            # only by luck); after that a kill may land anywhere.
+            interrupted = sum(any(p in MID_REMEDIATION for p in k.phases.values()) for k in kills)
+            trigger = rng.choice(("intent", "roll") if interrupted < 3 else ("timer", "intent", "roll"))
             if trigger == "timer":
                 # Letting time pass is the point: this kill lands wherever the services are,
                 # unless they are all done meanwhile (then there is nothing left to interrupt).
