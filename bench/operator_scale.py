@@ -23,7 +23,8 @@ state. It measures, per N:
   timed from the patch's response to the watch delivering observedGeneration >= the new one;
 - report -> status lag (`--report-cohort K`, 0 = off): K services' pods are made Running and
   Ready by the bench (scale_cohort.py) and answered by fake agents; one rank's free memory
-  changes and the time until status.ranks[].headroomBytes shows it is recorded.
+  drops by 2 % of the GPU (a meaningful change: over the status's 1 % resolution) and the time
+  until status.ranks[].headroomBytes shows it is recorded.
 
 Targets (issue 13): < 1 core (60 CPU s/min), < 300 MiB RSS, < 5 API requests per service per
 minute, status lag p99 < 15 s. A missed target is reported, never an exit code; setup failures
@@ -74,6 +75,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "llama3-70b-tp4.yaml"
 SERVICE_LABEL = "rankguard.io/llmservice"
 BASE_MIN_FREE = 6 * 1024 * MIB  # ample headroom: no policy rule acts on it
+# The report changes go down from BASE_MIN_FREE - 2 % of the GPU by 64 MiB each: at most this
+# many keep every figure above 2 GiB, clear of the example's policy lines (256 and 512 MiB).
+MAX_REPORT_CHANGES = 32
 
 
 def service_doc(
@@ -214,9 +218,13 @@ def report_lags(
                 log(f"{name}: rank {rank}'s reported headroom never reached the status; see --keep")
                 return [], args.report_changes
     pairs = [(i, r) for r in range(args.tp) for i in range(len(names))][: args.report_changes]
+    # A meaningful change (issue 31): the status shows a rank's figure to 1 % of its GPU, so a
+    # smaller move waits for the next held write (up to the resync) by design. Each change is
+    # 2 % of the GPU and 64 MiB more than the one before it: unique, so each is its own to find.
+    meaningful = agents.total // 50
     changed: list[tuple[str, int, int, float]] = []
     for n, (i, rank) in enumerate(pairs):
-        value = BASE_MIN_FREE - (n + 1) * 64 * MIB  # unique, so each change is its own to find
+        value = BASE_MIN_FREE - meaningful - n * 64 * MIB  # > 2 GiB (main): clear of the lines
         changed.append((names[i], rank, value, agents.set_min_free(ips[i], rank, value)))
         time.sleep(args.change_every)
     deadline = time.monotonic() + args.lag_timeout
@@ -335,7 +343,14 @@ def main() -> int:
     ap.add_argument(
         "--report-cohort", type=int, default=4, help="services whose pods the bench runs (0: off)"
     )
-    ap.add_argument("--report-changes", type=int, default=20, help="agent report changes timed to status")
+    ap.add_argument(
+        "--report-changes",
+        type=int,
+        default=20,
+        choices=range(MAX_REPORT_CHANGES + 1),
+        metavar=f"0-{MAX_REPORT_CHANGES}",
+        help="agent report changes timed to status",
+    )
     ap.add_argument("--concurrency", type=int, default=8, help="threads creating LLMServices")
     ap.add_argument(
         "--timeout", type=float, default=900.0, help="limit for every N's services to get a status"
