@@ -12,11 +12,16 @@ steady window measures, besides the Pending mode's CPU, RSS and API requests:
 - step passes per service per minute: each service's `rankguard_operator_passes_total` and
   `rankguard_operator_last_pass_timestamp_seconds` from the operator's /metrics, read at the
   window's start and end: the passes after the last one the first read saw, over the time from
-  that pass to the last one the second read saw (`pass_rate`). The services pass in bursts (they
-  started together; a steady one passes every 30 s), and the window starts one settle after a
-  burst: a count over the window's own length would weigh a burst at both of its ends (2.02);
+  that pass to the last one the second read saw (`pass_rate`). A count over the window's own
+  length is biased by where the reads fall: when the services still resynced in one burst (they
+  started together), both of the window's ends sat in one and it read 2.02;
+- the services' last passes in their busiest second (`busiest_second`): the whole cohort if
+  they resync in one burst, about N / 30 when each keeps its own moment in the interval;
 
 - the agents' /report answers per second and their CPU (every agent process, /proc).
+
+With `--restart` the operator is restarted once every rank is in status, so the settle and the
+window follow every service's loop starting at the same moment (an upgrade, a failover).
 
 Then the spec -> status lag (as the Pending mode), and the drop -> status lag: `--drops`
 services at random, one every `--drop-every` s, get one rank's free memory cut by
@@ -35,6 +40,7 @@ import random
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -121,6 +127,7 @@ class RunningExtra:
     all_ranks_seconds: float = math.nan  # first pod run -> every service shows every rank
     passes: float = math.nan  # the bench services' passes in the window (pass_rate)
     passes_seconds: float = math.nan  # service-seconds they took
+    busiest_second: int = 0  # of the services' last passes in the window, most in one second
     served: int = 0  # the agents' /report answers in the window
     served_seconds: float = math.nan  # between the two reads of that count
     agents_cpu_per_minute: float = math.nan
@@ -158,6 +165,14 @@ def pass_rate(before: PassMarks, after: PassMarks) -> tuple[float, float]:
         if n1 > n0 and t1 > t0:
             passes, seconds = passes + (n1 - n0), seconds + (t1 - t0)
     return passes, seconds
+
+
+def busiest_second(marks: PassMarks) -> int:
+    """The most services whose last pass finished in the same wall-clock second. Read at the
+    end of a steady window, every service's last pass is its resync in the interval before:
+    the whole cohort when they resync in one burst, about N / interval when each keeps its own
+    moment (edge/executor.resync_in)."""
+    return max(Counter(int(t) for _, t in marks.values()).values(), default=0)
 
 
 def timed(read: Callable[..., T], *args: Any) -> tuple[T, float]:
@@ -224,6 +239,7 @@ def steady(
     res.rss_bytes = mem.get("VmRSS", 0)
     res.changes_seen = sw.modified_between(mono0, mono1)
     ex.passes, ex.passes_seconds = pass_rate(passes0, passes1)
+    ex.busiest_second = busiest_second(passes1)
     ex.served, ex.served_seconds = served1 - served0, smono1 - smono0
     ex.agents_cpu_per_minute = cpu_seconds_per_minute(aticks1 - aticks0, hz, res.window_seconds)
     res.requests = audit_count(box, offset, wall0, wall1)
@@ -324,6 +340,11 @@ def measure_running(
         f"N={n}: pods Running in {ex.pods_running_seconds:.1f} s, "
         f"every rank in status after {ex.all_ranks_seconds:.1f} s"
     )
+    if args.restart:  # every service's loop starts at once, as after an upgrade or a failover
+        box.op.stop()
+        box.op.start()
+        box.op.wait_ready(timeout=args.timeout)
+        log(f"N={n}: operator restarted")
     time.sleep(args.settle)  # the first passes' follow-ups; figures drift, so never "quiet"
     res.settle_seconds = args.settle
     steady(box, sw, fleet, res, ex, window=args.window)
@@ -357,6 +378,11 @@ def running_rows(results: Sequence[ScaleResult], extras: Sequence[RunningExtra])
             "<= 1",
         ],
         ["step passes / service / min", *[_per_minute(e.passes, e.passes_seconds) for e in extras], "<= 2"],
+        [
+            "last passes in their busiest second",
+            *[f"{e.busiest_second} of {r.services}" for r, e in pairs],
+            "",
+        ],
         ["drop -> status lag p50", *[d[0] for d in drop], ""],
         ["drop -> status lag p99", *[d[1] for d in drop], "< 5 s"],
         ["agents: /report answers / s", *[f"{e.served / e.served_seconds:.1f}" for e in extras], ""],
@@ -377,6 +403,9 @@ def add_running_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--drops", type=int, default=20, help="Running: headroom drops timed to status")
     ap.add_argument("--drop-every", type=float, default=1.5, help="Running: seconds between two drops")
     ap.add_argument("--drop-fraction", type=float, default=0.05, help="Running: a drop, share of the GPU")
+    ap.add_argument(
+        "--restart", action="store_true", help="Running: restart the operator before the settle and window"
+    )
 
 
 def main_running(args: argparse.Namespace, counts: list[int], operator_env: dict[str, str]) -> int:
@@ -397,7 +426,9 @@ def main_running(args: argparse.Namespace, counts: list[int], operator_env: dict
             f"operator at scale, Running: TP{args.tp} LLMServices, every pod Running/Ready on a fake "
             f"node, real agent apps (synthetic GPUs, drift +-{args.drift:.1%}, "
             f"sampler {args.agent_hz:g} Hz); "
-            f"window {args.window:g} s after {args.settle:g} s; operator env {env_summary(operator_env)}; "
+            f"window {args.window:g} s after {args.settle:g} s"
+            f"{' and an operator restart' if args.restart else ''}; "
+            f"operator env {env_summary(operator_env)}; "
             f"python {platform.python_version()}, {os.cpu_count()} CPUs"
         )
         print_tables(title, running_rows(results, extras), results, args.verbose)

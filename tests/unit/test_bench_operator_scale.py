@@ -267,6 +267,10 @@ def test_running_mode_addresses_and_pass_counts() -> None:
     passes, seconds = scale_running.pass_rate(before, after)
     assert (passes, seconds) == (4 + 5, 120 + 120)  # a: 4 in 120 s (2 a minute, the reads anywhere)
     assert scale_running._per_minute(passes, seconds) == "2.25"
+    # a and d last passed in the same second (1120.0 and 1120.9), b in the next
+    seconds_of = {"a": (7.0, 1120.0), "b": (9.0, 1121.2), "d": (1.0, 1120.9)}
+    assert scale_running.busiest_second(seconds_of) == 2
+    assert scale_running.busiest_second({}) == 0
 
 
 def test_the_audit_count_waits_until_the_log_has_caught_up(tmp_path: Path) -> None:

@@ -368,7 +368,7 @@ async def service_daemon(
             )
             try:
                 await executor.run_once(seen)
-                interval = executor.next_pass_in(config.scrape_interval, config.resync_interval)
+                interval = executor.next_pass_in(config.scrape_interval, config.resync_interval, started)
             except k8s.ApiUnavailable:
                 interval = k8s.OUTAGE_DELAY  # HEALTH said it once; try again after a while
             except k8s.ServiceGone:
