@@ -171,7 +171,7 @@ def busiest_second(marks: PassMarks) -> int:
     """The most services whose last pass finished in the same wall-clock second. Read at the
     end of a steady window, every service's last pass is its resync in the interval before:
     the whole cohort when they resync in one burst, about N / interval when each keeps its own
-    moment (edge/executor.resync_in)."""
+    moment (core/cadence.resync_in)."""
     return max(Counter(int(t) for _, t in marks.values()).values(), default=0)
 
 

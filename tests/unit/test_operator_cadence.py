@@ -1,13 +1,15 @@
-"""When a service's loop passes again without a wake-up (edge/executor.next_pass_in)."""
+"""When a service's loop passes again without a wake-up (core/cadence, edge/executor.next_pass_in)."""
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 
+from rankguard_operator.core.cadence import resync_in, resync_phase
 from rankguard_operator.core.step import Settings
-from rankguard_operator.edge.executor import ServiceExecutor, resync_in, resync_phase
+from rankguard_operator.edge.executor import ServiceExecutor
 
 FAST, SLOW = 2.0, 30.0
 
@@ -64,7 +66,5 @@ def test_services_that_passed_together_resync_spread_over_the_interval() -> None
     # they run; at their own moments no second of the interval holds more than a few percent
     services = [executor(busy=False, name=f"svc-{i}") for i in range(1000)]
     resyncs = [100.0 + s.next_pass_in(FAST, SLOW, 100.0) for s in services]
-    per_second: dict[int, int] = {}
-    for t in resyncs:
-        per_second[int(t % SLOW)] = per_second.get(int(t % SLOW), 0) + 1
+    per_second = Counter(int(t % SLOW) for t in resyncs)
     assert len(per_second) == int(SLOW) and max(per_second.values()) < 60  # even: ~33 each

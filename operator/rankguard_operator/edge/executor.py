@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
+from rankguard_operator.core.cadence import resync_in, resync_phase
 from rankguard_operator.core.conditions import Condition, Phase, set_condition
 from rankguard_operator.core.effects import (
     ApplyClaim,
@@ -98,24 +98,6 @@ OWNED_RETRY_SECONDS = 5.0
 SET_TEMPLATES_KEPT = 4
 
 
-def resync_phase(namespace: str, name: str) -> float:
-    """This service's moment in each resync interval, as a fraction of it: the same in every
-    pass and every operator replica, and spread evenly over the services."""
-    return zlib.crc32(f"{namespace}/{name}".encode()) / 2**32
-
-
-def resync_in(now: float, slow: float, phase: float) -> float:
-    """Seconds from `now` to the service's next resync: the next moment `phase * slow` past a
-    multiple of `slow` that is at least half an interval away, so between `slow / 2` and
-    `1.5 * slow`, and exactly `slow` apart while nothing else makes it pass.
-
-    Why not simply `slow`: services created together (or started together by an operator
-    restart) would then resync in the same second for as long as they run, a thousand
-    passes in one burst every interval; each keeps its own moment instead."""
-    first = now + slow / 2
-    return slow / 2 + (phase * slow - first) % slow
-
-
 @dataclass(frozen=True)
 class Seen:
     """What the watches hold for one LLMService at the start of a pass (edge/handlers indexes)."""
@@ -173,7 +155,7 @@ class ServiceExecutor:
     # ------------------------------------------------------------------------------- a pass
     def next_pass_in(self, fast: float, slow: float, now: float) -> float:
         """Seconds from `now` (the monotonic time the pass started) until the next pass without
-        a wake-up: `fast` while busy, else this service's next resync (`resync_in`), and never
+        a wake-up: `fast` while busy, else this service's next resync (core/cadence), and never
         later than a verdict the step said falls due."""
         interval = fast if self.busy else resync_in(now, slow, self.phase)
         return interval if self.due_in is None else min(interval, max(self.due_in, 0.0))
