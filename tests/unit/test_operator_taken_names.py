@@ -235,7 +235,9 @@ async def test_the_names_index_and_the_daemons_lookup_find_each_other() -> None:
     index: dict[Any, list[Holder]] = {}
     for name, uid, created in ((LONG, "u1", EARLY), (SHORT, "u2", LATE), ("unrelated", "u3", EARLY)):
         meta = {"uid": uid, "creationTimestamp": created}
-        for key, holder in (await llmservice_names(name=name, namespace="ns", meta=meta, spec={})).items():
+        body = {"metadata": meta}
+        indexed = await llmservice_names(name=name, namespace="ns", meta=meta, spec={}, body=body)
+        for key, holder in indexed.items():
             index.setdefault(key, []).append(holder)
     rivals = _rivals(index, "ns", SHORT, {})
     assert {(r.kind, r.holder.name) for r in rivals} == {(LABEL, LONG), ("Service", LONG)}

@@ -101,6 +101,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.ERROR  # Events are posted deliberately, not from log lines
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
+    # List a hundred objects of a kind at a time: kopf decodes each page whole, and the index
+    # handlers let go of what they copied (`_release`) only as they reach each object. An
+    # operator restarted at N=1,000 Running held 341 MiB with whole lists, 279 with pages
+    # (issue 31, docs/benchmarks.md). Only listings are paged (at start, and when a watch's
+    # resourceVersion has expired), not watches.
+    settings.watching.chunk_size = 100
     settings.peering.standalone = True
     # No CRD or namespace scanning: the namespaces are given by name (the chart's account may
     # list neither, docs/rbac.md), or the watch is cluster-wide and `_ours` filters it.
@@ -166,6 +172,28 @@ def _kept_containers(spec: Any) -> list[dict[str, Any]]:
     return [{k: c[k] for k in keys if k in c} for c in every if isinstance(c, dict)]
 
 
+def _release(body: Any, *, pod_spec: bool = False, template_spec: bool = False) -> None:
+    """Called by an index handler once its entry is built: the watched object drops what the
+    entry has copied and nothing else reads — managedFields, and the pod spec or the pod
+    template's spec where asked. At start-up kopf holds every listed object after its index
+    handlers until every kind's listing is indexed (kopf's processing: `operator_indexed`), so
+    after an operator restart a thousand services' LLMServices, Deployments, ReplicaSets and
+    pods were alive at once, and what the daemons allocated meanwhile kept that memory in use
+    after they went (issue 31: at N=1,000 Running, ~395 MiB after a restart, ~270 without;
+    279 with this and the listing's pages, `configure`).
+    `body[...]` is kopf's own nested dict (as the event's object is for `drop_managed_fields`).
+    Only what the entry copied goes, never a dict the entry shares."""
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    spec = body.get("spec")
+    if pod_spec and isinstance(spec, dict):
+        spec.clear()
+    template = spec.get("template") if isinstance(spec, dict) else None
+    if template_spec and isinstance(template, dict):
+        template.pop("spec", None)
+
+
 @kopf.index("", "v1", "pods", labels=MANAGED, when=_ours)
 async def serving_pods(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
@@ -194,6 +222,7 @@ async def serving_pods(
         # the rest of the spec only as the digest core/observe/ownership compares with its owner's
         ownership.FINGERPRINT_KEY: ownership.template_fingerprint(body.get("spec")),
     }
+    _release(body, pod_spec=True)
     return {(namespace, service): pod}
 
 
@@ -201,7 +230,9 @@ async def serving_pods(
 async def serving_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Deployments by (namespace, name), without managedFields and their pod template's spec
     packed (edge/packed): the loop's view of its rollout."""
-    return {(namespace, name): packed_deployment(body)}
+    packed = packed_deployment(body)
+    _release(body, template_spec=True)
+    return {(namespace, name): packed}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
@@ -213,7 +244,9 @@ async def serving_statefulsets(
     service = labels.get(LLMSERVICE_LABEL)
     if not service:
         return {}
-    return {(namespace, service): without_managed_fields(body)}
+    kept = without_managed_fields(body)  # shares its spec and status with the body
+    _release(body)
+    return {(namespace, service): kept}
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
@@ -229,6 +262,7 @@ async def replicaset_owners(
     name and its pod template's fingerprint (what its pods must be: core/observe/ownership).
     A fingerprint, not the template: a thousand services keep several ReplicaSets each."""
     ref = ownership.replicaset_ref(body)
+    _release(body, template_spec=True)
     return {(namespace, meta.get("uid")): ref} if ref.owner_uid else {}
 
 
@@ -294,12 +328,13 @@ async def drop_managed_fields(event: kopf.RawEvent, **_: Any) -> None:
 
 @kopf.index(API_GROUP, API_VERSION, PLURAL, when=_ours)
 async def llmservice_names(
-    name: str, namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, **_: Any
+    name: str, namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, body: kopf.Body, **_: Any
 ) -> dict[Any, Any]:
     """Every name an LLMService's render takes (core/render/taken_names), keyed by (namespace,
     kind, name): a pass finds the other services on its names without a list. Of the service,
     only what the verdict needs."""
     holder = Holder(name, str(meta.get("uid") or ""), str(meta.get("creationTimestamp") or ""))
+    _release(body)  # its spec and status stay: the daemon reads them
     return {(namespace, kind, value): holder for kind, value in held_names(name, dict(spec))}
 
 
