@@ -22,7 +22,6 @@ from rankguard_operator.core.units import GiB
 from rankguard_operator.edge.handlers import (
     _gone,
     _wakers,
-    drop_managed_fields,
     llmservice_names,
     replicaset_owners,
     service_key,
@@ -79,25 +78,6 @@ async def test_a_deleted_event_marks_a_running_daemons_service_gone_and_wakes_it
     assert _gone(memo) == {"u-1"}
 
 
-async def test_the_body_kopf_keeps_for_the_daemon_loses_its_managed_fields_and_nothing_else() -> None:
-    """kopf's daemon body is a view of the watch event's object (it replaces the view's source
-    with each event's): the handler empties that object of managedFields, half an LLMService's
-    memory at a thousand services, and leaves everything the loop reads."""
-    managed = [{"manager": "rankguard", "operation": "Update", "fieldsV1": {"f:status": {".": {}}}}]
-    raw: dict[str, Any] = {
-        "metadata": {"name": "llama", "uid": "u-1", "generation": 2, "managedFields": managed},
-        "spec": {"tensorParallelSize": 8},
-        "status": {"phase": "Running"},
-    }
-    kept = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    kept["metadata"].pop("managedFields")
-    body = kopf.Body(raw)  # what kopf keeps (processing: live_fresh_body over the raw object)
-    await drop_managed_fields(event={"type": "MODIFIED", "object": raw})
-    assert "managedFields" not in body["metadata"]
-    assert dict(body) == kept
-    await drop_managed_fields(event={"type": None, "object": {"metadata": None}})  # nothing to drop
-
-
 async def test_the_deployment_index_packs_the_pod_spec_and_a_pass_gets_the_deployment_back_whole() -> None:
     """The index keeps the pod template's spec as one JSON string (two thirds of a Deployment in
     memory as objects); a pass gets the Deployment back as watched, less its managedFields: it
@@ -148,7 +128,8 @@ def _watched(kind: str) -> dict[str, Any]:
 
 
 async def _index(kind: str, body: dict[str, Any]) -> dict[Any, Any]:
-    meta, labels, b = body["metadata"], body["metadata"].get("labels", {}), cast(kopf.Body, body)
+    # the view kopf hands a handler over the object it keeps (processing: a Body over the raw event)
+    meta, labels, b = body["metadata"], body["metadata"].get("labels", {}), kopf.Body(body)
     if kind == "Pod":
         return await serving_pods(namespace="ns", labels=labels, body=b)
     if kind == "Deployment":

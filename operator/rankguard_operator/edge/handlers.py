@@ -181,8 +181,10 @@ def _release(body: Any, *, pod_spec: bool = False, template_spec: bool = False) 
     pods were alive at once, and what the daemons allocated meanwhile kept that memory in use
     after they went (issue 31: at N=1,000 Running, ~395 MiB after a restart, ~270 without;
     279 with this and the listing's pages, `configure`).
-    `body[...]` is kopf's own nested dict (as the event's object is for `drop_managed_fields`).
-    Only what the entry copied goes, never a dict the entry shares."""
+    `body[...]` is kopf's own nested dict, the one it keeps afterwards too: an LLMService's is
+    its daemon's `body`, whose managedFields were half of it (27 of 56 KiB as Python objects at
+    eight ranks) and go with each event this way. Only what the entry copied goes, never a dict
+    the entry shares."""
     meta = body.get("metadata")
     if isinstance(meta, dict):
         meta.pop("managedFields", None)
@@ -315,17 +317,6 @@ async def spec_changed(
         _wake(memo, *key)
 
 
-@kopf.on.event(API_GROUP, API_VERSION, PLURAL, when=_ours)
-async def drop_managed_fields(event: kopf.RawEvent, **_: Any) -> None:
-    """kopf keeps each LLMService's latest body, as the watch decoded it, for its daemon (the
-    `body` the loop reads). Its managedFields are half of it — 27 of 56 KiB as Python objects at
-    eight ranks, 27 MiB at a thousand services (issue 31) — and nothing here reads them, so they
-    go from the event's object, which is the very dict kopf keeps."""
-    meta: Any = (event.get("object") or {}).get("metadata")
-    if isinstance(meta, dict):
-        meta.pop("managedFields", None)
-
-
 @kopf.index(API_GROUP, API_VERSION, PLURAL, when=_ours)
 async def llmservice_names(
     name: str, namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, body: kopf.Body, **_: Any
@@ -334,7 +325,7 @@ async def llmservice_names(
     kind, name): a pass finds the other services on its names without a list. Of the service,
     only what the verdict needs."""
     holder = Holder(name, str(meta.get("uid") or ""), str(meta.get("creationTimestamp") or ""))
-    _release(body)  # its spec and status stay: the daemon reads them
+    _release(body)  # managedFields only: the daemon reads its spec and status
     return {(namespace, kind, value): holder for kind, value in held_names(name, dict(spec))}
 
 
