@@ -30,7 +30,7 @@
 # Python packages come from hash-pinned lock files (hack/images/requirements-*.txt, written by
 # hack/images/lock.sh): pip refuses anything whose hash is not in them.
 #
-# Lint: tests/unit/test_chart_static.py runs hadolint on this file.
+# Lint: tests/unit/house/test_chart_static.py runs hadolint on this file.
 ARG PYTHON_BASE=python:3.12.12-slim-bookworm
 ARG AGENT_BASE=busybox:1.37.0
 

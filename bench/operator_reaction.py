@@ -18,7 +18,6 @@ operator are stopped and removed at the end, whatever happened.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import queue
@@ -36,14 +35,13 @@ from typing import Any
 from kubernetes import client, watch
 
 from rankguard_agent.wire import termination as tm
-from rankguard_operator.core.units import iso
+from rankguard_operator.core.names import API_GROUP, API_VERSION, LLMSERVICE_LABEL, PLURAL
+from rankguard_operator.core.units import GiB, iso
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.world import OperatorProcess, install_crd
+from scale_measure import percentile
 
-GIB = 1 << 30
-GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
 TARGET_P50_SECONDS = 1.0
-SERVICE_LABEL = "rankguard.io/llmservice"
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ def wait_for(what: str, probe: Any, deadline: float, every: float = 0.1) -> Any:
 
 def service_doc(name: str) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": "LLMService",
         "metadata": {"name": name},
         "spec": {
@@ -116,7 +114,7 @@ def service_doc(name: str) -> dict[str, Any]:
             "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
             "engine": {"maxModelLen": 8192, "maxNumSeqs": 64},
-            "memory": {"gpuMemoryBytes": 80 * GIB},
+            "memory": {"gpuMemoryBytes": 80 * GiB},
             "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
         },
     }
@@ -130,9 +128,9 @@ def oom_status(pod_name: str) -> dict[str, Any]:
         exit_code=1,
         rank=0,
         gpu_index=0,
-        requested_bytes=2 * GIB,
-        free_bytes=GIB,
-        total_bytes=80 * GIB,
+        requested_bytes=2 * GiB,
+        free_bytes=GiB,
+        total_bytes=80 * GiB,
         detail="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
     ).to_json()
     terminated = {
@@ -161,12 +159,6 @@ def oom_status(pod_name: str) -> dict[str, Any]:
             ],
         }
     }
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (with 20 samples, p99 is the maximum: no interpolation)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
 
 
 @contextmanager
@@ -220,11 +212,11 @@ def run(trials: int, scrape_interval: float, timeout: float) -> tuple[list[float
         custom = client.CustomObjectsApi(api)
         names = [f"svc-{i:02d}" for i in range(trials)]
         for name in names:
-            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, service_doc(name))
+            custom.create_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL, service_doc(name))
 
         def all_pods() -> dict[str, str] | None:
             pods = {
-                p.metadata.labels.get(SERVICE_LABEL): p.metadata.name
+                p.metadata.labels.get(LLMSERVICE_LABEL): p.metadata.name
                 for p in core.list_namespaced_pod(ns).items
             }
             return pods if all(n in pods for n in names) else None
@@ -234,9 +226,10 @@ def run(trials: int, scrape_interval: float, timeout: float) -> tuple[list[float
         wait_for(
             "every first status",
             lambda: all(
-                (custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, n).get("status") or {}).get(
-                    "servingFlags"
-                )
+                (
+                    custom.get_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL, n).get("status")
+                    or {}
+                ).get("servingFlags")
                 for n in names
             ),
             deadline,

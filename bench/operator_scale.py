@@ -36,88 +36,46 @@ exit non-zero.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import copy
 import os
 import platform
 import random
 import sys
 import time
-from collections import Counter
 from contextlib import suppress
-from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
+import scale_running
+from rankguard_operator.core.names import LLMSERVICE_LABEL
 from rankguard_operator.edge.config import OperatorConfig
-from scale_cohort import MIB, FakeAgents, FakeNode, cohort_ips, free_port_on, run_pod
+from scale_cohort import FakeAgents, FakeNode, cohort_ips, free_port_on, run_pod
 from scale_measure import (
+    MIB,
     ScaleResult,
     count_log_errors,
-    count_requests,
     cpu_seconds_per_minute,
-    cpu_ticks,
     env_summary,
-    memory_bytes,
-    parse_audit_line,
     parse_counts,
     parse_env,
     print_tables,
     summary_rows,
 )
-from scale_sandbox import BENCH_NS, Sandbox, log, sandbox
-from scale_watch import GROUP, PLURAL, VERSION, ServiceWatch
+from scale_sandbox import BENCH_NS, Sandbox, audit_count, log, proc_sample, sandbox
+from scale_services import (
+    BASE_MIN_FREE,
+    collect_lags,
+    create_timed,
+    example_template,
+    service_doc,
+    service_names,
+    spec_lags,
+)
+from scale_watch import ServiceWatch
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "llama3-70b-tp4.yaml"
-SERVICE_LABEL = "rankguard.io/llmservice"
-BASE_MIN_FREE = 6 * 1024 * MIB  # ample headroom: no policy rule acts on it
 # The report changes go down from BASE_MIN_FREE - 2 % of the GPU by 64 MiB each: at most this
 # many keep every figure above 2 GiB, clear of the example's policy lines (256 and 512 MiB).
 MAX_REPORT_CHANGES = 32
-
-
-def service_doc(
-    template: dict[str, Any], name: str, tp: int, agent_port: int | None, *, multi_node: bool = False
-) -> dict[str, Any]:
-    doc = copy.deepcopy(template)
-    doc["metadata"] = {"name": name}
-    doc["spec"]["tensorParallelSize"] = tp
-    if multi_node:  # TP×PP 2 over two pods: two StatefulSets and a headless Service more
-        doc["spec"]["pipelineParallelSize"] = 2
-        doc["spec"]["distributed"] = {"podsPerGroup": 2}
-    if agent_port is not None:  # the cohort's fake agents listen on a port free on this machine
-        doc["spec"].setdefault("agent", {})["port"] = agent_port
-    return doc
-
-
-def create_all(api: Any, docs: list[dict[str, Any]], concurrency: int) -> None:
-    custom = client.CustomObjectsApi(api)
-
-    def create(doc: dict[str, Any]) -> None:
-        for attempt in range(5):
-            try:
-                custom.create_namespaced_custom_object(GROUP, VERSION, BENCH_NS, PLURAL, doc)
-                return
-            except ApiException as e:
-                if e.status == 409 and attempt:  # a retry of a create that went through
-                    return
-                if e.status not in (429, 500, 503, 504) or attempt == 4:
-                    raise
-            time.sleep(0.5 * (attempt + 1))
-
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(create, d) for d in docs]:
-            f.result()
-
-
-def proc_sample(pid: int) -> tuple[int, dict[str, int]]:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    status = Path(f"/proc/{pid}/status").read_text()
-    return cpu_ticks(stat), memory_bytes(status)
 
 
 def steady_window(box: Sandbox, sw: ServiceWatch, res: ScaleResult, window: float) -> None:
@@ -137,63 +95,6 @@ def steady_window(box: Sandbox, sw: ServiceWatch, res: ScaleResult, window: floa
     res.requests = audit_count(box, offset, wall0, wall1)
 
 
-def audit_written_past(path: Path, end: float) -> bool:
-    """Whether the audit log already holds a request received at `end` or later (any client's)."""
-    start = max(0, path.stat().st_size - 65536)
-    with path.open("rb") as f:
-        f.seek(start)
-        lines = f.read().splitlines()[1 if start else 0 :]  # past 0, the first line may be cut
-    last = next((ev for ev in map(parse_audit_line, reversed(lines)) if ev is not None), None)
-    return last is not None and last.received >= end
-
-
-def audit_count(box: Sandbox, offset: int, start: float, end: float) -> Counter[str]:
-    """The operator's requests received in [start, end) (wall clock), read from `offset` on,
-    once the log has caught up past `end`: batch mode flushes every second, but behind a burst
-    (a thousand pods started) it ran minutes late, and a count after a fixed wait read nothing."""
-    deadline = time.monotonic() + 300
-    while not audit_written_past(box.audit_log, end) and time.monotonic() < deadline:
-        client.VersionApi(box.api).get_code()  # a request of our own, for the log to show
-        time.sleep(1.0)
-    with box.audit_log.open("rb") as f:
-        f.seek(offset)
-        return count_requests(f, box.username, start, end)
-
-
-def spec_lags(
-    api: Any, sw: ServiceWatch, names: list[str], every: float, timeout: float
-) -> tuple[list[float], int]:
-    """Edit each service's spec (generation + 1), one every `every` s, then collect each lag."""
-    custom = client.CustomObjectsApi(api)
-    changed: list[tuple[str, int, float]] = []
-    for i, name in enumerate(names):
-        body = {"spec": {"remediation": {"cooldownSeconds": 301 + i}}}
-        got = custom.patch_namespaced_custom_object(
-            GROUP, VERSION, BENCH_NS, PLURAL, name, body, _content_type="application/merge-patch+json"
-        )
-        changed.append((name, int(got["metadata"]["generation"]), time.monotonic()))
-        time.sleep(every)
-    deadline = time.monotonic() + timeout
-    return collect_lags(
-        [
-            (at, lambda n=name, g=generation: sw.observed_at(n, g, deadline))
-            for name, generation, at in changed
-        ]
-    )
-
-
-def collect_lags(changes: list[tuple[float, Any]]) -> tuple[list[float], int]:
-    """(lags, missed) of changes made at `at` and seen when their lookup says (None: never)."""
-    lags, missed = [], 0
-    for at, seen_at in changes:
-        seen = seen_at()
-        if seen is None:
-            missed += 1
-        else:
-            lags.append(max(0.0, seen - at))
-    return lags, missed
-
-
 def report_lags(
     api: Any, sw: ServiceWatch, names: list[str], agents: FakeAgents, args: argparse.Namespace
 ) -> tuple[list[float], int]:
@@ -204,7 +105,7 @@ def report_lags(
     for name, ip in zip(names, ips, strict=True):
         pods = [
             p
-            for p in core.list_namespaced_pod(BENCH_NS, label_selector=f"{SERVICE_LABEL}={name}").items
+            for p in core.list_namespaced_pod(BENCH_NS, label_selector=f"{LLMSERVICE_LABEL}={name}").items
             if not p.metadata.deletion_timestamp
         ]
         if len(pods) != 1:
@@ -234,23 +135,6 @@ def report_lags(
             for name, rank, value, at in changed
         ]
     )
-
-
-def create_timed(
-    box: Sandbox, sw: ServiceWatch, res: ScaleResult, docs: list[dict[str, Any]], args: argparse.Namespace
-) -> None:
-    """Create the services and time their first status (and what reaching it cost)."""
-    names = [str(d["metadata"]["name"]) for d in docs]
-    assert box.op.proc is not None
-    offset, ticks0 = box.audit_log.stat().st_size, proc_sample(box.op.proc.pid)[0]
-    wall0, t0 = time.time(), time.monotonic()
-    create_all(box.api, docs, args.concurrency)
-    res.create_seconds = time.monotonic() - t0
-    res.status_seconds = sw.all_synced(names, t0 + args.timeout) - t0
-    res.create_cpu_seconds = (proc_sample(box.op.proc.pid)[0] - ticks0) / os.sysconf("SC_CLK_TCK")
-    res.create_requests = audit_count(box, offset, wall0, wall0 + res.status_seconds)
-    took = f"created in {res.create_seconds:.1f} s, all have status after {res.status_seconds:.1f} s"
-    log(f"N={len(names)}: {took}")
 
 
 def measure(
@@ -283,10 +167,10 @@ def measure(
 def run_one(n: int, args: argparse.Namespace, operator_env: dict[str, str]) -> ScaleResult:
     started = time.monotonic()
     res = ScaleResult(services=n, report_cohort=min(args.report_cohort, n))
-    template = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d.get("kind") == "LLMService")
+    template = example_template()
     ips = cohort_ips(res.report_cohort)
     port = free_port_on(ips) if ips else None
-    names = [f"svc-{i:04d}" for i in range(n)]
+    names = service_names(n)
     # the multi-node share comes last, so the report cohort (the first services) stays single-pod
     first_multi = n - round(n * args.multi_node)
     docs = [
@@ -321,8 +205,6 @@ def run_one(n: int, args: argparse.Namespace, operator_env: dict[str, str]) -> S
 
 
 def main() -> int:
-    import scale_running  # here: it imports this module, which must be loaded first
-
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--services", default="25,100", help="comma-separated N, each on a fresh control plane")
     ap.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")

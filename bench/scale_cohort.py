@@ -6,7 +6,7 @@ For the cohort the bench plays the kubelet: a Node with no GPUs (so the schedule
 TP8 pod there by itself) kept alive as a kubelet does (rankguard_sim.kubelet.nodes: Ready condition and
 Lease renewals, or the node-lifecycle controller would taint it and evict the pods), each cohort
 pod bound to it through the pods/binding subresource and given a kubelet-shaped Running/Ready
-status (rankguard_sim.kubelet.podstatus) with its own address 127.0.1.x. The reports are the agent's
+status (rankguard_sim.kubelet.pod.status) with its own address 127.0.1.x. The reports are the agent's
 own `Report` objects, serialised with its own `to_json`, and checked with the operator's
 `parse_report` before anything is served; each pod is told apart by the local address its
 request arrived on.
@@ -27,9 +27,9 @@ from kubernetes import client
 from rankguard_agent import __version__ as AGENT_VERSION
 from rankguard_agent.wire.report import REPORT_VERSION, RankSample, Report, parse_report
 from rankguard_sim.kubelet.nodes import heartbeat, register_node
-from rankguard_sim.kubelet.podstatus import ContainerView, Termination, pod_status, rfc3339
+from rankguard_sim.kubelet.pod.status import ContainerView, Termination, pod_status, rfc3339
+from scale_measure import MIB
 
-MIB = 1 << 20
 NODE = "rankguard-bench-cohort"
 HEARTBEAT_SECONDS = 5.0  # well inside the controller-manager's 20 s node-monitor grace period
 

@@ -1,6 +1,6 @@
 """The pure parts of bench/operator_scale.py: audit lines, /proc files, percentiles, the tables.
 
-No cluster and no clock here (times come in as arguments), so tests/unit/test_bench_operator_scale.py
+No cluster and no clock here (times come in as arguments), so tests/unit/bench/test_operator_scale.py
 checks them on literal inputs.
 """
 

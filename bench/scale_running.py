@@ -45,21 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import yaml
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from operator_scale import (
-    BASE_MIN_FREE,
-    EXAMPLE,
-    SERVICE_LABEL,
-    audit_count,
-    collect_lags,
-    create_timed,
-    proc_sample,
-    service_doc,
-    spec_lags,
-)
+from rankguard_operator.core.names import LLMSERVICE_LABEL
 from scale_agents import AgentFleet, running_ips
 from scale_cohort import FakeNode, free_port_on, run_pod
 from scale_measure import (
@@ -72,7 +61,16 @@ from scale_measure import (
     print_tables,
     summary_rows,
 )
-from scale_sandbox import BENCH_NS, Sandbox, log, sandbox
+from scale_sandbox import BENCH_NS, Sandbox, audit_count, log, proc_sample, sandbox
+from scale_services import (
+    BASE_MIN_FREE,
+    collect_lags,
+    create_timed,
+    example_template,
+    service_doc,
+    service_names,
+    spec_lags,
+)
 from scale_watch import ServiceWatch
 
 STATUS_WRITE = "patch llmservices/status"
@@ -192,12 +190,9 @@ def run_pods(api: Any, names: list[str], ips: list[str], *, concurrency: int, ti
     # A service's status comes before the ReplicaSet controller has made its pod: wait for all.
     deadline = time.monotonic() + timeout
     while True:
-        pods = [
-            p
-            for p in client.CoreV1Api(api).list_namespaced_pod(BENCH_NS, label_selector=SERVICE_LABEL).items
-            if not p.metadata.deletion_timestamp
-        ]
-        by_service = {str(p.metadata.labels[SERVICE_LABEL]): p for p in pods}
+        listed = client.CoreV1Api(api).list_namespaced_pod(BENCH_NS, label_selector=LLMSERVICE_LABEL)
+        pods = [p for p in listed.items if not p.metadata.deletion_timestamp]
+        by_service = {str(p.metadata.labels[LLMSERVICE_LABEL]): p for p in pods}
         if len(pods) == len(names) and set(by_service) == set(names):
             break
         if len(pods) > len(names) or time.monotonic() > deadline:
@@ -276,11 +271,11 @@ def run_running(
 ) -> tuple[ScaleResult, RunningExtra]:
     started = time.monotonic()
     res, ex = ScaleResult(services=n), RunningExtra()
-    template = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d.get("kind") == "LLMService")
+    template = example_template()
     total = int(template["spec"]["memory"]["gpuMemoryBytes"])
     ips = running_ips(n)
     port = free_port_on(ips)
-    names = [f"svc-{i:04d}" for i in range(n)]
+    names = service_names(n)
     docs = [service_doc(template, nm, args.tp, port) for nm in names]
     fleet = AgentFleet(
         ips, port, ranks=args.tp, total=total, base_free=BASE_MIN_FREE, drift=int(total * args.drift),

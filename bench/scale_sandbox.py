@@ -3,6 +3,9 @@
 (`python -m rankguard_operator`, a subprocess) under the chart's own ServiceAccount and
 cluster-wide RBAC (`helm template`, a TokenRequest token), so that its requests are told apart
 in the audit log by `user.username`. Removed at the end, whatever happened (unless kept).
+
+And what the bench reads of the operator there: its requests in the audit log (`audit_count`)
+and its process's CPU and memory in /proc (`proc_sample`, the agents' processes too).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from kubernetes import client
 
 from rankguard_sim.kube.cluster import K8S_VERSION, ControlPlane
 from rankguard_sim.world import OperatorProcess, create_namespace, install_crd
+from scale_measure import count_requests, cpu_ticks, memory_bytes, parse_audit_line
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "rankguard"
@@ -89,3 +94,33 @@ def sandbox(operator_env: dict[str, str], keep: bool, metrics: bool = False) -> 
             log(f"kept {workdir} (audit log, operator log, control-plane logs)")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def audit_written_past(path: Path, end: float) -> bool:
+    """Whether the audit log already holds a request received at `end` or later (any client's)."""
+    start = max(0, path.stat().st_size - 65536)
+    with path.open("rb") as f:
+        f.seek(start)
+        lines = f.read().splitlines()[1 if start else 0 :]  # past 0, the first line may be cut
+    last = next((ev for ev in map(parse_audit_line, reversed(lines)) if ev is not None), None)
+    return last is not None and last.received >= end
+
+
+def audit_count(box: Sandbox, offset: int, start: float, end: float) -> Counter[str]:
+    """The operator's requests received in [start, end) (wall clock), read from `offset` on,
+    once the log has caught up past `end`: batch mode flushes every second, but behind a burst
+    (a thousand pods started) it ran minutes late, and a count after a fixed wait read nothing."""
+    deadline = time.monotonic() + 300
+    while not audit_written_past(box.audit_log, end) and time.monotonic() < deadline:
+        client.VersionApi(box.api).get_code()  # a request of our own, for the log to show
+        time.sleep(1.0)
+    with box.audit_log.open("rb") as f:
+        f.seek(offset)
+        return count_requests(f, box.username, start, end)
+
+
+def proc_sample(pid: int) -> tuple[int, dict[str, int]]:
+    """A process's CPU ticks so far (every thread) and its memory lines (VmRSS, VmHWM, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    status = Path(f"/proc/{pid}/status").read_text()
+    return cpu_ticks(stat), memory_bytes(status)

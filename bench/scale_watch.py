@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
+from rankguard_operator.core.names import API_GROUP, API_VERSION, PLURAL
 
 
 class ServiceWatch:
@@ -62,7 +62,9 @@ class ServiceWatch:
         while not self._stop.is_set():
             try:
                 if rv is None:  # (re)list: the first time, and after the watch expired (410)
-                    listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
+                    listed = self.custom.list_namespaced_custom_object(
+                        API_GROUP, API_VERSION, self.namespace, PLURAL
+                    )
                     now = time.monotonic()
                     for item in listed.get("items", []):
                         self._see(item, now)
@@ -71,8 +73,8 @@ class ServiceWatch:
                 # Short server-side timeouts so stop() is honoured within seconds.
                 for ev in w.stream(
                     self.custom.list_namespaced_custom_object,
-                    GROUP,
-                    VERSION,
+                    API_GROUP,
+                    API_VERSION,
                     self.namespace,
                     PLURAL,
                     resource_version=rv,

@@ -32,6 +32,7 @@ from typing import Any
 
 from rankguard_agent.wire.termination import CUDA_OOM
 from rankguard_operator.core.budget.bounds import (
+    VLLM_DEFAULT_UTILIZATION,
     block_unit,
     kv_floor,
     prior_plan,
@@ -45,7 +46,7 @@ from rankguard_sim.fake_vllm.args import parse_args
 from rankguard_sim.physics.engine_outcome import true_max_safe_kv
 from rankguard_sim.physics.scenario_data import GIB, Scenario
 from rankguard_sim.physics.scenario_file import load_scenario
-from strategies_runner import VLLM_DEFAULT_UTILIZATION, StrategyResult, simulate_rankguard
+from strategies_runner import StrategyResult, simulate_rankguard
 from strategies_world import WorldRun, engine_config, run_world, spec_for, termination_message
 
 PHASE_MAX_RUNS = 12  # engine starts per strategy; a strategy still crashing then is "never stable"
@@ -53,7 +54,8 @@ SERVING, DEGRADED, NEVER_STABLE = "serving", "degraded", "never stable"
 
 # spec.remediation.minKVCacheBytes of the services the two CUDA-graph scenarios describe ("the
 # 4.5 GiB floor the service sets"): with it, cutting the budget by the deficit is not allowed,
-# which is what makes those scenarios a capture-size or eager story (tests/unit/test_sim_oom_phases.py).
+# which is what makes those scenarios a capture-size or eager story
+# (tests/unit/sim/physics/test_engine_outcome_phases.py).
 SERVICE_KV_FLOORS = {"oom-cuda-graphs": int(4.5 * GIB), "oom-cuda-graphs-eager": int(4.5 * GIB)}
 
 

@@ -8,8 +8,7 @@ Deployment's template, the agents' reports), with the step's effects carried out
 operator's one in-memory replay (`rankguard_operator.core.step.Objects`), so the bench keeps no
 copy of the executor's rules. `compare` runs all of them on one scenario.
 
-Held apart from the world (strategies_world.py), which the operator only sees through the
-reports made there, and from the table (strategies_table.py), which only reads the results.
+Apart from the world (strategies_world.py, seen through its reports) and the table (strategies_table.py).
 
 Deterministic and pure: simulated time, no I/O.
 """
@@ -22,12 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rankguard_operator.core import policy
+from rankguard_operator.core.budget.bounds import VLLM_DEFAULT_UTILIZATION  # vLLM's own default
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import carried_template_hash, deployment_template_hash
 from rankguard_operator.core.policy.tunables import RECLAIM_AFTER_SECONDS
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step import Objects, ReportInput, Settings, World, reconcile, scrape_targets
+from rankguard_operator.core.step import Objects, ReportInput, Settings, World, needs, reconcile
 from rankguard_sim.physics.engine_memory import rank_memory
 from rankguard_sim.physics.engine_outcome import Outcome, SafeCapacity, true_max_safe_kv
 from rankguard_sim.physics.scenario_data import GIB, Scenario
@@ -47,7 +47,6 @@ from strategies_world import (
     with_ready,
 )
 
-VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM's --gpu-memory-utilization default (reference/vllm-memory-facts.md)
 HUMAN_STEP = 0.05  # "the usual human fix (drop it by 0.05)" (DESIGN §1)
 MAX_RUNS = 20  # runs per strategy before it is called "never stable"
 TARGET_SHARE = 0.98  # rankguard within 2 % of the true maximum once converged (issue 28; 3 % in issue 6)
@@ -198,7 +197,7 @@ class RankguardLoop:
 
     Each pass calls the operator's own `reconcile.step`, as the edge executor does, with a World
     of the LLMService's spec, the Deployment and the pod in API form, and the agent's report of
-    each pod `reconcile.scrape_targets` names. The step's effects are carried out, in order, on
+    each pod `needs` names as targets. The step's effects are carried out, in order, on
     `objects`, the operator's in-memory replay (`step.Objects`), which stands in for the API
     server: the intent and status patches are merged into `objects.status` (RFC 7386), a
     Deployment apply lands as `step.after_apply` says, a named Event is kept once, the Service is
@@ -240,7 +239,8 @@ class RankguardLoop:
         if free is not None:
             assert min_free is not None
             probe = self.spec.agent.probe
-            for name, _ip, _port in scrape_targets(self.spec_doc, self.objects.deployment, pods):
+            targets = needs(self.spec_doc, self.scenario.name, deployment=self.objects.deployment, pods=pods)
+            for name, _ip, _port in targets.targets:
                 report = agent_report(
                     self.scenario, free, min_free, self.now, probe=probe, startup_free=startup_free
                 )

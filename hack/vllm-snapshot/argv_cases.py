@@ -12,7 +12,7 @@ world size and the context-parallel rules), and reads what would listen on the p
 The cases are generated from the parser itself: every spelling of every option with a value
 its own type accepts, a value it refuses for every typed option, every JSON (dataclass) option
 with good and bad objects built from its dataclass's fields, and the edges of the reader
-(prefixes, negative numbers, `-O`). tests/unit/test_vllm_surface.py holds rankguard's
+(prefixes, negative numbers, `-O`). tests/unit/core/engine/test_surface.py holds rankguard's
 decision and the fake vLLM's parser against this table.
 """
 

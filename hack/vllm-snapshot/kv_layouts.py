@@ -432,7 +432,10 @@ def main() -> None:
     doc = {
         "vllm_version": version,
         "generated_by": COMMAND,
-        "note": "Read by tests/unit/test_kv_layout.py; regenerate with the command above, never by hand.",
+        "note": (
+            "Read by tests/unit/core/budget/test_kv_layout.py; "
+            "regenerate with the command above, never by hand."
+        ),
         "cases": cases,
     }
     dest.parent.mkdir(parents=True, exist_ok=True)

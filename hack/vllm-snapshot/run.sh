@@ -40,7 +40,7 @@ fi
 
 export VLLM_TARGET_DEVICE=cpu
 layouts="$repo/tests/fixtures/vllm_kv_layouts.json"  # the KV-layout oracle (core/budget/kv_layout.py's cases)
-cases="$repo/tests/fixtures/vllm_argv_cases.json"  # what vLLM does with extraArgs (tests/unit/test_vllm_surface.py)
+cases="$repo/tests/fixtures/vllm_argv_cases.json"  # what vLLM does with extraArgs (tests/unit/core/engine/test_surface.py)
 if [ "$mode" = "--check" ]; then
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT

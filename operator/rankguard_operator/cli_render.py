@@ -26,6 +26,8 @@ from rankguard_operator.core.names import (
     DEFAULT_AGENT_IMAGE,
     GROUP_LABEL,
     NODE_RANK_ENV,
+    OWNER_API_VERSION,
+    OWNER_KIND,
     ROLE_LABEL,
     VLLM_CONTAINER,
 )
@@ -35,8 +37,6 @@ from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import Objects, Settings, World, reconcile
 from rankguard_operator.core.units import QuantityError, parse_bytes
 
-API_VERSION = "rankguard.io/v1alpha1"
-KIND = "LLMService"
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # the API server assigns the real one
 
 
@@ -68,15 +68,15 @@ def _documents(path: str) -> list[Any]:
 def _services(docs: list[Any], path: str) -> Iterator[Mapping[str, Any]]:
     found = False
     for doc in docs:
-        if isinstance(doc, Mapping) and doc.get("kind") == KIND:
-            if doc.get("apiVersion") != API_VERSION:
-                raise RenderError(
-                    f"{path}: {KIND} apiVersion must be {API_VERSION}, got {doc.get('apiVersion')!r}"
-                )
+        if isinstance(doc, Mapping) and doc.get("kind") == OWNER_KIND:
+            if doc.get("apiVersion") != OWNER_API_VERSION:
+                got = doc.get("apiVersion")
+                raise RenderError(f"{path}: {OWNER_KIND} apiVersion must be {OWNER_API_VERSION}, got {got!r}")
             found = True
             yield doc
     if not found:
-        raise RenderError(f"{path} holds no {KIND} (kind: {KIND}, apiVersion: {API_VERSION})")
+        kind = f"kind: {OWNER_KIND}, apiVersion: {OWNER_API_VERSION}"
+        raise RenderError(f"{path} holds no {OWNER_KIND} ({kind})")
 
 
 def render_service(
@@ -86,7 +86,7 @@ def render_service(
     meta = doc.get("metadata") or {}
     name = meta.get("name")
     if not isinstance(name, str) or not name:
-        raise RenderError(f"an {KIND} without metadata.name")
+        raise RenderError(f"an {OWNER_KIND} without metadata.name")
     ns = str(meta.get("namespace") or namespace)
     status = {"gpuMemoryBytes": gpu_memory_bytes} if gpu_memory_bytes else {}
     world = World(

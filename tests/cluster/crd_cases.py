@@ -12,15 +12,11 @@ import pytest
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.kube.cluster import ControlPlane
+from tests import builders
 
 
 def llmservice(name: str, model: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {"model": {"name": model}, "image": "vllm/vllm-openai:v0.33.0", **spec},
-    }
+    return builders.llmservice(name, {"model": {"name": model}, "image": "vllm/vllm-openai:v0.33.0", **spec})
 
 
 def apply(cluster: ControlPlane, namespace: str, obj: dict[str, Any]) -> Any:

@@ -1,5 +1,5 @@
 """The harness of the in-process operator tests (test_operator.py, test_operator_remediation.py,
-test_operator_pod_world.py).
+test_operator_surroundings.py).
 
 The real operator runs in the test's process under kopf's KopfRunner, watching only a namespace
 of its own (`op-…`), so it never meets the e2e suite's operator subprocess (which watches
@@ -31,6 +31,7 @@ from rankguard_agent.wire.report import RankSample, Report
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.units import iso
 from rankguard_sim.waiting import wait_for
+from tests.builders import llmservice
 
 GROUP, VERSION, PLURAL = "rankguard.io", "v1alpha1", "llmservices"
 GiB, MiB = 1 << 30, 1 << 20
@@ -67,11 +68,9 @@ def operator(namespace: str) -> Iterator[KopfRunner]:
 
 
 def service_doc(name: str, agent_port: int, **spec: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
+    doc: dict[str, Any] = llmservice(
+        name,
+        {
             "model": {"name": MODEL},
             "image": IMAGE,
             "tensorParallelSize": 2,
@@ -82,7 +81,7 @@ def service_doc(name: str, agent_port: int, **spec: Any) -> dict[str, Any]:
             "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
             "agent": {"port": agent_port},
         },
-    }
+    )
     doc["spec"].update(spec)
     return doc
 

@@ -30,6 +30,7 @@ from test_chart import CHART, by_kind, render, run_helm, template
 
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
+from tests.builders import owner_ref
 
 pytestmark = pytest.mark.cluster
 
@@ -159,13 +160,7 @@ def test_forged_pods_are_refused_and_the_controllers_still_create_serving_pods(
     (rs,) = apps.list_namespaced_replica_set(namespace, label_selector="app=victim").items
     assert not [c for c in rs.status.conditions or [] if c.type == "ReplicaFailure"]
     real = next(p for p in pods if p.metadata.owner_references[0].kind == "ReplicaSet")
-    rs_owner = {
-        "apiVersion": "apps/v1",
-        "kind": "ReplicaSet",
-        "name": rs.metadata.name,
-        "uid": rs.metadata.uid,
-        "controller": True,
-    }
+    rs_owner = owner_ref("ReplicaSet", rs.metadata.uid, name=rs.metadata.name, api_version="apps/v1")
     template_labels = dict(rs.spec.template.metadata.labels)
 
     # (b) the race: created with the labels and the real ReplicaSet as controller
@@ -195,13 +190,7 @@ def test_forged_pods_are_refused_and_the_controllers_still_create_serving_pods(
 
     # A real pod: a controller ownerReference changed to another owner is refused ...
     sts = apps.read_namespaced_stateful_set("victim-g0", namespace)
-    other = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "name": "victim-g0",
-        "uid": sts.metadata.uid,
-        "controller": True,
-    }
+    other = owner_ref("StatefulSet", sts.metadata.uid, name="victim-g0", api_version="apps/v1")
     message = refusal(
         lambda: core.patch_namespaced_pod(
             real.metadata.name,

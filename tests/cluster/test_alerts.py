@@ -51,7 +51,7 @@ NOT_DRIVEN = {
 }
 # Families that have a sample only after an hour of serving (the memory trend's fit), so the drive
 # below exports them empty; their labels, which a sample would carry, are what the unit test of
-# their export (tests/unit/test_memory_trend.py) sees.
+# their export (tests/unit/core/observe/test_memory_trend.py) sees.
 NEED_HOURS = {
     "rankguard_llmservice_headroom_trend_bytes_per_hour": {"namespace", "llmservice"},
     "rankguard_llmservice_headroom_exhaustion_hours": {"namespace", "llmservice"},

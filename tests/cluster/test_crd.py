@@ -19,6 +19,7 @@ import yaml
 
 from rankguard_operator.core.observe.memory_trend import MemoryTrend
 from rankguard_sim.kube.cluster import ControlPlane
+from tests.builders import llmservice
 
 pytestmark = pytest.mark.cluster
 
@@ -36,12 +37,9 @@ SHAPE = {
 
 
 def minimal(name: str = "svc") -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {"model": {"name": "meta-llama/Meta-Llama-3-8B"}, "image": "vllm/vllm-openai:v0.33.0"},
-    }
+    return llmservice(
+        name, {"model": {"name": "meta-llama/Meta-Llama-3-8B"}, "image": "vllm/vllm-openai:v0.33.0"}
+    )
 
 
 def with_spec(**changes: Any) -> Callable[[dict[str, Any]], None]:
@@ -508,7 +506,7 @@ def test_status_subresource_and_printer_columns(cluster: ControlPlane, crd: str,
 
     out = cluster.kubectl("get", "llmsvc", "-n", namespace).stdout.splitlines()
     header = out[0].split()
-    # kubectl prints the CRD's default columns after NAME (their order: tests/unit/test_crd_schema.py)
+    # kubectl prints the CRD's default columns after NAME (their order: tests/unit/house/test_crd_schema.py)
     crd = yaml.safe_load((REPO / "crds" / "llmservice.yaml").read_text())
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
     assert header == ["NAME", *(c["name"].upper() for c in columns if not c.get("priority"))]

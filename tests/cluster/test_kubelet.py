@@ -1,7 +1,7 @@
 """The process kubelet against the real control plane: pods run, report and stop like a kubelet's.
 
 (Over 450 lines because each kubelet duty, from admission to graceful deletion, is one story
-against the same node and control plane; the pure rules are in tests/unit/test_kubelet_*.py.)
+against the same node and control plane; the pure rules are in tests/unit/sim/kubelet/.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ made against it.) LWS v0.10.0's CRD (vendored in third_party/lws/) installed, th
 object server-side dry-run applied (dryRun=All, fieldValidation=Strict, field manager
 rankguard) and accepted; a misspelled field, in the LWS spec or deep in a pod template, refused
 with an error naming it, so the check can fail. LWS's controller and webhooks cannot run here
-(third_party/lws/README.md): their rules are tests/unit/test_lws_rules.py's, and the
+(third_party/lws/README.md): their rules are tests/unit/core/render/test_lws_rules.py's, and the
 StatefulSets its controller would make from the templates are dry-run created by hand below.
 
 The owner reference points at a real LLMService (created first), so the uid is one the API

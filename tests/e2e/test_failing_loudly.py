@@ -1,7 +1,8 @@
 """End to end: fail loudly, and once. What no engine can run is refused at `kubectl apply` or
 before anything is deployed; an engine that keeps failing, a replica no node can hold and a floor
 above the node's GPU each show a condition with a reason a person understands, what to change,
-and one Event (issue 13, point 5; the pure step's cases are in tests/unit/test_operator_fail_loudly.py).
+and one Event (issue 13, point 5; the pure step's cases are in
+tests/unit/core/step/test_reconcile_fail_loudly.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.units import parse_iso
+from tests.builders import llmservice
 
-from .conftest import GROUP, VERSION, apply_service, condition, get_llmservice, wait_for
+from .conftest import apply_service, condition, get_llmservice, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,12 +30,7 @@ SPEC: dict[str, Any] = {
 
 
 def service(name: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {**SPEC, **spec},
-    }
+    return llmservice(name, {**SPEC, **spec})
 
 
 def degraded_as(api: client.ApiClient, ns: str, name: str, reason: str) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from rankguard_operator.core.model.resolve import resolve
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.kubelet.kubelet import wait_for_pids_gone
+from tests.builders import llmservice
 
 from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, example, get_llmservice, wait_for
 
@@ -79,11 +80,9 @@ def test_pipeline_terminal_rank_is_the_bottleneck_and_the_budget_follows_it(
     api: client.ApiClient, e2e_namespace: str, make_node: Any
 ) -> None:
     make_node("tp2-pp2", time_scale=4)
-    doc = {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "pp"},
-        "spec": {
+    doc = llmservice(
+        "pp",
+        {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
             "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
@@ -92,7 +91,7 @@ def test_pipeline_terminal_rank_is_the_bottleneck_and_the_budget_follows_it(
             "memory": {"gpuMemoryBytes": 25769803776},
             "remediation": {"cooldownSeconds": 30},
         },
-    }
+    )
     apply_service(api, e2e_namespace, doc)
 
     def ready_and_stages_differ() -> dict[str, Any] | None:
@@ -121,11 +120,9 @@ def test_oomkilled_raises_the_memory_limit_until_running(
     api: client.ApiClient, e2e_namespace: str, make_node: Any
 ) -> None:
     make_node("host-oomkilled", time_scale=4)
-    doc = {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "hostmem"},
-        "spec": {
+    doc = llmservice(
+        "hostmem",
+        {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
             "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 1,
@@ -135,7 +132,7 @@ def test_oomkilled_raises_the_memory_limit_until_running(
             # A limit that fits the engine at rest but not the weights staged while loading.
             "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
         },
-    }
+    )
     apply_service(api, e2e_namespace, doc)
     svc = wait_for("the memory limit raised and Ready", lambda: _ready(api, e2e_namespace, "hostmem"), 240)
     raises = [r for r in svc["status"]["remediations"] if r["trigger"] == "OOMKilled"]
@@ -299,8 +296,7 @@ def test_a_budget_at_the_floor_starts(api: client.ApiClient, e2e_namespace: str,
     assert shape is not None
     floor = min_budget_for_one_request(shape, 2, max_model_len=8192, pp=2)
     spec["memory"] = {"kvCacheMemoryBytes": floor}
-    doc = {"apiVersion": "rankguard.io/v1alpha1", "kind": "LLMService", "metadata": {"name": "floor"}}
-    apply_service(api, e2e_namespace, {**doc, "spec": spec})
+    apply_service(api, e2e_namespace, llmservice("floor", spec))
     svc = wait_for(
         "the service at the floor to be Ready",
         lambda: _ready(api, e2e_namespace, "floor"),
@@ -318,18 +314,16 @@ def test_small_cards_under_tp_start_without_anyone_typing_the_gpu_size(
     0.92 at start-up. No gpuMemoryBytes in the spec: rankguard learns the card's size from the
     refusal and renders a byte budget with a start-up utilisation vLLM accepts."""
     make_node("llama3-8b-tp2-24gb", time_scale=4)
-    doc = {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "small"},
-        "spec": {
+    doc = llmservice(
+        "small",
+        {
             "model": {"name": "meta-llama/Meta-Llama-3-8B-Instruct"},
             "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 2,
             "engine": {"maxModelLen": 8192},
             "remediation": {"cooldownSeconds": 30},
         },
-    }
+    )
     apply_service(api, e2e_namespace, doc)
     svc = wait_for(
         "the small-card service to be Ready",

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 
 from rankguard_operator.core.model.catalog import CATALOG_ENTRIES
+from tests.builders import llmservice
 
 from .conftest import apply_service, condition, get_llmservice, wait_for
 
@@ -21,11 +22,9 @@ IMAGE = "vllm/vllm-openai:v0.33.0"
 
 
 def _service(name: str, model: dict[str, Any], **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
+    return llmservice(
+        name,
+        {
             "model": model,
             "image": IMAGE,
             "tensorParallelSize": 4,
@@ -33,7 +32,7 @@ def _service(name: str, model: dict[str, Any], **spec: Any) -> dict[str, Any]:
             "remediation": {"cooldownSeconds": 30},
             **spec,
         },
-    }
+    )
 
 
 def _config_map(api: client.ApiClient, ns: str, name: str, config: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from rankguard_operator.cli_render import shared_flags
 from rankguard_operator.core.names import GROUP_LABEL, LLMSERVICE_LABEL, ROLE_LABEL
 from rankguard_operator.core.render.pod import served_argv
 from rankguard_sim.kube.cluster import ControlPlane
+from tests.builders import llmservice
 
 from .conftest import apply_service, condition, get_llmservice, wait_for
 
@@ -144,11 +145,9 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
 ) -> None:
     ns = e2e_namespace
     make_node(SCENARIO, time_scale=4)  # one node with both groups' 32 GPUs
-    doc = {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": NAME},
-        "spec": {
+    doc = llmservice(
+        NAME,
+        {
             "model": {"name": "meta-llama/Llama-3.1-70B-Instruct"},
             "image": "vllm/vllm-openai:v0.33.0",
             "replicas": 2,
@@ -161,7 +160,7 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
             "memory": {"gpuMemoryUtilization": 0.92},
             "remediation": {"cooldownSeconds": 0},
         },
-    }
+    )
     apply_service(api, ns, doc)
 
     # 1. Under load the headless pod's rank 8 runs out; the budget is cut, both groups replaced.

@@ -35,6 +35,7 @@ from rankguard_operator.core.policy.tunables import (
     T_CUDA_OOM,
 )
 from rankguard_sim.world import Node, OperatorProcess, create_namespace, start_node, wait_node_schedulable
+from tests.builders import llmservice
 
 from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, get_llmservice, wait_for
 
@@ -107,11 +108,9 @@ def phases(
 
 
 def _service(key: str, story: Story, node: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": key},
-        "spec": {
+    return llmservice(
+        key,
+        {
             "model": {"name": MODELS.get(story.scenario, "meta-llama/Meta-Llama-3-8B-Instruct")},
             "image": "vllm/vllm-openai:v0.33.0",
             "tensorParallelSize": 1,
@@ -128,7 +127,7 @@ def _service(key: str, story: Story, node: str) -> dict[str, Any]:
             # its own node: each scenario is one node's GPUs
             "template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": node}}},
         },
-    }
+    )
 
 
 def _ooms(svc: dict[str, Any]) -> list[dict[str, Any]]:

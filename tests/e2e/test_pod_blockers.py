@@ -3,7 +3,7 @@ HF token from a Secret that does not exist, is Degraded with a reason naming the
 60 s of the pod's first try and Ready once the Secret is created; every other cause the sandbox
 can produce (the real API server's admission and controllers, the process kubelet) is one row
 of a table, all services at once in one namespace; and a Failed service whose pods serve
-nothing is scaled to zero. The pure classes are in tests/unit/test_pod_blockers.py.
+nothing is scaled to zero. The pure classes are in tests/unit/core/observe/test_pod_blockers.py.
 
 Not here: image pull errors (the process kubelet has one "image" and pulls nothing), and a
 StatefulSet's FailedCreate (a multi-node service; the unit tests cover its Event).
@@ -18,6 +18,7 @@ import pytest
 from kubernetes import client
 
 from rankguard_operator.core.units import parse_iso
+from tests.builders import llmservice
 
 from .conftest import GROUP, VERSION, apply_service, condition, get_llmservice, wait_for
 
@@ -38,12 +39,7 @@ def service(name: str, template: dict[str, Any] | None = None, **spec: Any) -> d
     }
     if template is not None:
         body["template"] = {"spec": template}
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": body,
-    }
+    return llmservice(name, body)
 
 
 def degraded_as(api: client.ApiClient, ns: str, name: str, reason: str) -> dict[str, Any] | None:

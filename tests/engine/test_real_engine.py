@@ -42,6 +42,7 @@ from rankguard_sim.kubelet.image import build_engine_image
 from rankguard_sim.kubelet.kubelet import ProcessKubelet
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import llmservice, running
+from tests import builders
 
 from .conftest import Engine, host_memory_bytes
 
@@ -52,11 +53,9 @@ START_TIMEOUT = 420  # the engine's start is ~50 s alone on two cores; the sandb
 def _service(
     name: str, node: str, model: Path, image: str, *, kv_bytes: int, gpu_bytes: int
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LLMService",
-        "metadata": {"name": name},
-        "spec": {
+    return builders.llmservice(
+        name,
+        {
             "model": {"name": "/models/tiny"},
             "image": image,
             "replicas": 1,
@@ -78,7 +77,7 @@ def _service(
                 }
             },
         },
-    }
+    )
 
 
 def _get(url: str, timeout: float = 10) -> str:

@@ -20,6 +20,7 @@ import yaml
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_sim.vllm_snapshot import switches_only_in
+from tests.builders import llmservice
 
 from .conftest import Engine
 
@@ -27,18 +28,17 @@ NEWEST = vllm_snapshots.latest().version
 
 
 def _service(image: str, model: Path, flag: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "rankguard.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": "tiny", "namespace": "serving"},
-        "spec": {
+    return llmservice(
+        "tiny",
+        {
             "model": {"name": str(model)},
             "image": image,
             "tensorParallelSize": 1,
             "engine": {"maxModelLen": 512, "maxNumSeqs": 8, "enforceEager": True, "extraArgs": [flag]},
             "memory": {"kvCacheMemoryBytes": 64 << 20},
         },
-    }
+        namespace="serving",
+    )
 
 
 def _render(tmp_path: Path, doc: dict[str, Any], *check: str) -> subprocess.CompletedProcess[str]:

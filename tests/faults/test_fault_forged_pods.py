@@ -54,6 +54,7 @@ from rankguard_operator.core.names import TERMINATION_LOG, VLLM_CONTAINER, owner
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_sim.kube import testbin
 from rankguard_sim.kube.cluster import K8S_VERSION
+from tests.builders import owner_ref
 
 from .conftest import REPO, Drill, is_ready, remediation_id, revision, service_doc, wait_for, wait_observed
 
@@ -264,14 +265,9 @@ def run_drill(d: Drill, policy: bool) -> None:
         rank.update(free_bytes=0, min_free_bytes=0, used_bytes=rank["total_bytes"])
     (rs,) = [r for r in d.replicasets_of(dep) if r["spec"].get("replicas")]
     rs_name, rs_template = rs["metadata"]["name"], rs["spec"]["template"]
-    rs_owner = {
-        "apiVersion": "apps/v1",
-        "kind": "ReplicaSet",
-        "name": rs_name,
-        "uid": rs["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    rs_owner = owner_ref(
+        "ReplicaSet", rs["metadata"]["uid"], name=rs_name, api_version="apps/v1", block_owner_deletion=True
+    )
 
     # the terminationMessagePath as an argument: the process kubelet rewrites it to the file
     claim = {

@@ -16,7 +16,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard_agent.gpu import GpuReading, GpuUnavailable, ProcessMemory, RankDevice, failed_reading
+from rankguard_agent.gpu.interface import (
+    GpuReading,
+    GpuUnavailable,
+    ProcessMemory,
+    RankDevice,
+    failed_reading,
+)
 from rankguard_agent.gpu.visible import Selection, apply_cuda_visible, apply_nvidia_visible
 
 log = logging.getLogger("rankguard_agent.gpu.nvml")

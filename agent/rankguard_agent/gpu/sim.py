@@ -20,7 +20,13 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
-from rankguard_agent.gpu import GpuReading, GpuUnavailable, ProcessMemory, RankDevice, failed_reading
+from rankguard_agent.gpu.interface import (
+    GpuReading,
+    GpuUnavailable,
+    ProcessMemory,
+    RankDevice,
+    failed_reading,
+)
 from rankguard_agent.gpu.simfiles import (
     SimDevice,
     SimProc,

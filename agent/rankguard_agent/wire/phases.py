@@ -8,7 +8,7 @@ witnesses say where a rank was when it ran out of memory:
 
 - The phase markers: lines vLLM logs as a phase begins or ends (`MARKERS`; their vLLM source,
   file:line, is in rankguard_operator/vllm_snapshots/*/formats.json under the same keys, and
-  tests/unit/test_agent_phases.py renders every recorded template through `marker_phase`).
+  tests/unit/agent/wire/test_phases.py renders every recorded template through `marker_phase`).
   Most are logged once for the whole engine (vLLM's `info_once`, by the first rank) or by the
   engine core, so a marker from a worker's line sets that rank's phase and a marker from any other
   line (the engine core's, an unprefixed one) sets every rank's. A rank that said nothing itself

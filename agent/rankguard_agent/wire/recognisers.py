@@ -50,7 +50,7 @@ Formats (see docs/agent.md for the sources):
 Every log prefix ("(Worker_TP1 pid=77) ERROR 10-02 12:00:00 [x.py:1] ...") is ignored:
 the patterns are searched anywhere in the line (`rankguard_agent.workers` reads the prefix).
 The vLLM source of each message is recorded in rankguard_operator/vllm_snapshots/*/formats.json
-(file:line); tests/unit/test_agent_recognisers.py renders every one of them.
+(file:line); tests/unit/agent/wire/test_recognisers.py renders every one of them.
 """
 
 from __future__ import annotations

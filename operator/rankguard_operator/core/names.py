@@ -60,10 +60,15 @@ def _digest(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:_HASH_CHARS]
 
 
-def _shorten(text: str, full_name: str) -> str:
-    """`text` cut so that `-<hash of full_name>` fits 63 characters, ending alphanumeric."""
-    head = text[: _MAX_LABEL - _HASH_CHARS - 1].rstrip("-.")
+def with_hash(text: str, limit: int, full_name: str) -> str:
+    """`text` cut so that `-<hash of full_name>` fits `limit` characters, ending alphanumeric: how
+    every name rankguard derives is shortened (the hash keeps two long names apart)."""
+    head = text[: limit - _HASH_CHARS - 1].rstrip("-.")
     return f"{head}-{_digest(full_name)}" if head else _digest(full_name)
+
+
+def _shorten(text: str, full_name: str) -> str:
+    return with_hash(text, _MAX_LABEL, full_name)
 
 
 def label_value(name: str) -> str:
@@ -154,7 +159,7 @@ def group_base(name: str) -> str:
     base = service_name(name)
     if len(base) <= _GROUP_BASE:
         return base
-    return f"{base[: _GROUP_BASE - _HASH_CHARS - 1].rstrip('-')}-{_digest(name)}"
+    return with_hash(base, _GROUP_BASE, name)
 
 
 def group_leader_name(name: str, group: int) -> str:

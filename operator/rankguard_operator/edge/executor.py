@@ -1,12 +1,9 @@
 """Runs one LLMService's passes: gather the world, call the pure step, carry out its effects.
 
-(Over 450 lines because a pass's I/O is one sequence: what it reads, the caches that stand in
-for a watch that is behind, and the effects carried out in the step's order, each of which the
-next pass's reads depend on; split, the order would live in two places.)
-
-Everything decided lives in `core.reconcile.step`; this module only does I/O, in the order
-the step lists its effects (intent before roll, roll before status), so a crash anywhere
-leaves a state the next step finishes exactly once.
+Everything decided lives in `core.step` (what to read, which pods to trust, the step, what to
+say of a refused apply); this module only does I/O, in the order the step lists its effects
+(intent before roll, roll before status), so a crash anywhere leaves a state the next step
+finishes exactly once.
 
 The state a step starts from is the status the API server holds. kopf hands the daemon a
 live body, but the watch event of our own status write can arrive after the next pass has
@@ -18,8 +15,8 @@ same holds for the Deployment, read from kopf's watch: the object our own apply 
 used until the watch has delivered it (or something newer).
 
 Only pods whose owner chain leads to this LLMService's Deployment, and that their owner made
-(name and pod template), are passed to the step (core/observe/ownership); the others are counted
-once each in `rankguard_operator_pods_ignored_total`.
+(name and pod template), are passed to the step (core/step/trust); the others are counted once
+each in `rankguard_operator_pods_ignored_total`.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from typing import Any
 import kopf
 
 from rankguard_operator.core.cadence import resync_in, resync_phase
-from rankguard_operator.core.conditions import Condition, Phase, set_condition
+from rankguard_operator.core.conditions import Phase
 from rankguard_operator.core.effects import (
     ApplyClaim,
     ApplyDeployment,
@@ -45,21 +42,25 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
-from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.names import name_problem
-from rankguard_operator.core.observe import ownership
-from rankguard_operator.core.observe.pod_blockers import event_subjects
-from rankguard_operator.core.observe.pods import Termination, pod_ready
-from rankguard_operator.core.policy.history import STATUS_ACTIONS
-from rankguard_operator.core.policy.trackers import headroom_lines
-from rankguard_operator.core.render.claim import claim_settled
-from rankguard_operator.core.render.taken_names import NameRivals
-from rankguard_operator.core.status.figures import figures, memory_terminations, phase_change, rank_label
-from rankguard_operator.core.status.hold import hold
-from rankguard_operator.core.status.patch import status_patch
-from rankguard_operator.core.status.service_state import ServiceState
-from rankguard_operator.core.step import Settings, Step, World, reads, reconcile, scrape_targets, with_intent
-from rankguard_operator.core.units import iso
+from rankguard_operator.core.step import (
+    ConfigRead,
+    Memory,
+    NameRivals,
+    ReplicaSetRef,
+    ServiceState,
+    Settings,
+    Step,
+    World,
+    claim_settled,
+    config_from_configmap,
+    invalid_spec,
+    needs,
+    reconcile,
+    refused_apply,
+    trust,
+    with_intent,
+)
 from rankguard_operator.edge import k8s, live_owner
 from rankguard_operator.edge.metrics import (
     AGENTS_UNAVAILABLE,
@@ -87,15 +88,9 @@ EVENT_REPEAT_SECONDS = 300.0
 # How long the Deployment our own apply returned stands in for one the watch has not delivered
 # (the watch is usually milliseconds behind; a Deployment deleted since is seen after this).
 APPLIED_STANDS_SECONDS = 30.0
-# A pod whose ReplicaSet (or our Deployment) the watches have not shown is normally one the
-# watch is a moment behind on; one still unvouched for after this long is counted as ignored.
-UNVOUCHED_GRACE_SECONDS = 30.0
 # A pass refused because another LLMService controls an object of the same name looks again
 # this soon: the garbage collector removes a deleted service's objects within seconds.
 OWNED_RETRY_SECONDS = 5.0
-# A StatefulSet's earlier pod templates whose pods still count (a group replace leaves one
-# earlier template's pods terminating; a few more cover replaces applied in quick succession).
-SET_TEMPLATES_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,7 @@ class Seen:
     pods: Sequence[Mapping[str, Any]]  # by rankguard's labels: not yet vouched for
     deployment: Mapping[str, Any] | None  # the Deployment named after the service, if watched
     # ReplicaSet UID -> its controller's UID, its name and its pod template's fingerprint
-    replicaset_owner: Mapping[str, ownership.ReplicaSetRef]
+    replicaset_owner: Mapping[str, ReplicaSetRef]
     statefulsets: Sequence[Mapping[str, Any]] = ()  # by rankguard's labels (a multi-node service's groups)
     name_rivals: NameRivals | None = None  # other LLMServices on this one's names (the names index)
 
@@ -129,12 +124,7 @@ class ServiceExecutor:
         self._applied: tuple[float, dict[str, Any]] | None = None  # (when, our last applied Deployment)
         self._applied_sets: dict[str, tuple[float, dict[str, Any]]] = {}  # StatefulSets: name -> (when, body)
         self._refused: str | None = None  # the last refusal logged, so it is logged once
-        self._ignored: set[str] = set()  # UIDs of pods counted as ignored (once each)
-        self._newly_ignored: list[ownership.Ignored] = []  # this pass's, said in an Event
-        self._unvouched: dict[str, float] = {}  # pod UID -> when first seen without its owner
-        # StatefulSet UID -> fingerprints of the pod templates it carried, oldest first: a
-        # group replace's old pods still count until they are gone (core/observe/ownership)
-        self._set_templates: dict[str, tuple[str, ...]] = {}
+        self._trust = Memory()  # what deciding which pods to trust remembers (core/step/trust)
         self._ooms_counted: set[str] = set()  # keys of new memory terminations already counted
         # whether the last pass had something that changes without a watch event or an agent's
         # news: a remediation under way, pods starting on a node, an agent not answering
@@ -226,51 +216,6 @@ class ServiceExecutor:
                 del self._applied_sets[name]
         return [out[n] for n in sorted(out)]
 
-    def _trusted(
-        self,
-        seen: Seen,
-        deployment: Mapping[str, Any] | None,
-        uid: str,
-        statefulsets: Sequence[Mapping[str, Any]],
-    ) -> list[Mapping[str, Any]]:
-        pods, ignored = ownership.trusted_pods(
-            seen.pods,
-            seen.replicaset_owner,
-            deployment,
-            uid,
-            statefulsets=statefulsets,
-            earlier_set_templates=self._earlier_set_templates(statefulsets),
-        )
-        now = time.monotonic()
-        for i in ignored:
-            if i.uid in self._ignored:
-                continue
-            # most likely ours, with its ReplicaSet a moment behind in the watch: not news yet
-            waiting = now - self._unvouched.setdefault(i.uid, now) < UNVOUCHED_GRACE_SECONDS
-            if i.reason in ("unknown-replicaset", "no-deployment", "unknown-statefulset") and waiting:
-                continue
-            self._ignored.add(i.uid)
-            self._newly_ignored.append(i)
-            PODS_IGNORED.labels(namespace=self.namespace, llmservice=self.name, reason=i.reason).inc()
-            log.warning("LLMService %s/%s: %s", self.namespace, self.name, ownership.ignored_message(i))
-        live = {str((p.get("metadata") or {}).get("uid") or "") for p in seen.pods}
-        self._ignored &= live
-        self._unvouched = {u: t for u, t in self._unvouched.items() if u in live and u not in self._ignored}
-        return pods
-
-    def _earlier_set_templates(self, statefulsets: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, ...]]:
-        """The templates each StatefulSet carried before this pass (the last few), and this
-        pass's remembered for the next. Memory only: after a restart a replace's old pods are
-        not vouched for (docs/security.md)."""
-        before = self._set_templates
-        now: dict[str, tuple[str, ...]] = {}
-        for s in statefulsets:
-            uid, fingerprint = _meta(s, "uid"), ownership.statefulset_fingerprint(s)
-            kept = tuple(f for f in before.get(uid, ()) if f != fingerprint)
-            now[uid] = (*kept, fingerprint)[-SET_TEMPLATES_KEPT:]
-        self._set_templates = now
-        return {uid: before[uid] for uid in now if uid in before}
-
     async def _run_once(self, seen: Seen) -> str:
         body = seen.body
         meta = body.get("metadata") or {}
@@ -279,17 +224,25 @@ class ServiceExecutor:
         generation = int(meta.get("generation") or 0)
         uid = str(meta.get("uid") or "")
         deployment = self._deployment(seen.deployment)
-        statefulsets = self._statefulsets(seen.statefulsets)
-        pods = self._trusted(seen, deployment, uid, statefulsets)
-        for ignored in self._newly_ignored:
-            await self._event(body, ownership.ignored_event(ignored))
-        self._newly_ignored = []
-        model_config = await self._model_config(spec, generation)
-        wanted = reads(spec, self.name, pods)
-        claim = await self.claims.get(wanted.claim, generation) if wanted.claim else None
-        owned_sets = ownership.owned_statefulsets(statefulsets, uid)
-        targets = [Target(*t) for t in scrape_targets(spec, deployment, pods, owned_sets)]
-        scraped = await self.feed.read(targets)
+        trusted = trust(
+            seen.pods,
+            seen.replicaset_owner,
+            deployment,
+            uid,
+            statefulsets=self._statefulsets(seen.statefulsets),
+            memory=self._trust,
+            now=time.monotonic(),
+        )
+        self._trust = trusted.memory
+        for ignored in trusted.newly_ignored:
+            PODS_IGNORED.labels(namespace=self.namespace, llmservice=self.name, reason=ignored.reason).inc()
+            log.warning("LLMService %s/%s: %s", self.namespace, self.name, ignored.message)
+            await self._event(body, ignored.event)
+        pods, owned_sets = trusted.pods, trusted.statefulsets
+        wanted = needs(
+            spec, self.name, deployment=deployment, pods=pods, statefulsets=owned_sets, now=time.time()
+        )
+        scraped = await self.feed.read([Target(*t) for t in wanted.targets])
         world = World(
             name=self.name,
             namespace=self.namespace,
@@ -302,31 +255,23 @@ class ServiceExecutor:
             statefulsets=owned_sets,
             pods=pods,
             reports=[(s.pod, s.report, s.received_at) for s in scraped.reports],
-            model_config=model_config,
-            cache_claim=claim,
+            model_config=await self._model_config(wanted.config_map, generation),
+            cache_claim=await self.claims.get(wanted.claim, generation) if wanted.claim else None,
             agent_misses=scraped.misses,
             node_labels=await self.nodes.labels(wanted.nodes),
-            events=await self.events.of(event_subjects(pods, owned_sets, time.time())),
+            events=await self.events.of(wanted.event_subjects),
             name_rivals=seen.name_rivals,
-        )
-        # A Running service's agents wake it when their reports are news (edge/report_feed), and
-        # the step names the time its own clocks fall due (pass_again_after): only pods still
-        # starting (on a node, not Ready), an agent not answering (AgentReady's bound runs) and a
-        # remediation under way pass at the scrape interval.
-        self.busy = (
-            bool(state.raw.get("pendingRemediation"))
-            or bool(scraped.misses)
-            or any((p.get("spec") or {}).get("nodeName") and not pod_ready(p) for p in pods)
+            status_age=None if self._status_written is None else time.monotonic() - self._status_written,
         )
         problem = name_problem(self.name)
         step = (
-            reconcile.invalid_spec(state, world, problem)
+            invalid_spec(state, world, problem)
             if problem is not None
-            else reconcile.step(state, world, self.settings)
+            else reconcile.step(state, world, self.settings, wanted.spec)
         )
-        self.due_in = step.pass_again_after
+        self.busy, self.due_in = step.busy, step.pass_again_after
         if step.spec is not None:
-            self.feed.set_lines(headroom_lines(step.spec))
+            self.feed.set_lines(step.lines)
         AGENTS_UNAVAILABLE.labels(namespace=world.namespace, llmservice=world.name).set(
             len(step.agents_unavailable)
         )
@@ -337,7 +282,7 @@ class ServiceExecutor:
             ENGINE_RULES_FALLBACK.labels(namespace=world.namespace, llmservice=world.name).set(
                 0 if rules.get("status") == "True" else 1
             )
-        self._count_ooms(step.terminations)
+        self._count_ooms(step)
         try:
             await self.execute(body, state, step)
         except k8s.ApplyRefused as e:
@@ -345,14 +290,14 @@ class ServiceExecutor:
             await self._refused_apply(body, state, world, e)
             return Phase.DEGRADED.value
         self._refused = None
-        self._published(state, step)
+        self._published(step)
         return step.phase
 
-    def _published(self, before: ServiceState, step: Step) -> None:
+    def _published(self, step: Step) -> None:
         """The service's gauges from the status just written, and one log line when its phase
         changed (a warning when it became Degraded or Failed)."""
-        SERVICE_GAUGES.set(self.namespace, self.name, figures(step.state.raw, step.spec))
-        change = phase_change(before.raw, step.state.raw)
+        SERVICE_GAUGES.set(self.namespace, self.name, step.figures())
+        change = step.phase_change()
         if change is not None:
             bad = step.phase in (Phase.DEGRADED.value, Phase.FAILED.value)
             log.log(
@@ -363,27 +308,23 @@ class ServiceExecutor:
                 change,
             )
 
-    def _count_ooms(self, new: Sequence[Termination]) -> None:
+    def _count_ooms(self, step: Step) -> None:
         """Count each memory termination once, acted upon or not. The step lists those not yet
         in status.handledTerminations (so a restarted operator does not count them again); one
         the policy left unhandled is listed again next pass, and is remembered here until then."""
-        fresh = memory_terminations(new)
+        fresh = step.ooms()
         for t in fresh:
             if t.key not in self._ooms_counted:
                 OOMS_OBSERVED.labels(
-                    namespace=self.namespace,
-                    llmservice=self.name,
-                    reason=t.kind,
-                    rank=rank_label(t),
+                    namespace=self.namespace, llmservice=self.name, reason=t.kind, rank=t.rank
                 ).inc()
         self._ooms_counted = {t.key for t in fresh}
 
-    async def _model_config(self, spec: Mapping[str, Any], generation: int) -> ConfigRead | None:
+    async def _model_config(self, ref: tuple[str, str] | None, generation: int) -> ConfigRead | None:
         """spec.model.configMap's config.json (None when the spec names none)."""
-        ref = (spec.get("model") or {}).get("configMap") if isinstance(spec.get("model"), Mapping) else None
-        if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str):
+        if ref is None:
             return None
-        name, key = ref["name"], str(ref.get("key") or "config.json")
+        name, key = ref
         return config_from_configmap(await self.configs.get(name, generation), name, key)
 
     async def execute(self, body: Mapping[str, Any], state: ServiceState, step: Step) -> None:
@@ -398,8 +339,9 @@ class ServiceExecutor:
             elif isinstance(effect, ApplyDeployment):
                 self._applied = (time.monotonic(), await live_owner.apply(effect.body))
                 if effect.remediation_id is not None:
-                    action = STATUS_ACTIONS.get(str(effect.action), str(effect.action))
-                    REMEDIATIONS.labels(self.namespace, self.name, action, str(effect.trigger)).inc()
+                    REMEDIATIONS.labels(
+                        self.namespace, self.name, str(effect.action), str(effect.trigger)
+                    ).inc()
             elif isinstance(effect, ApplyObject):
                 stored = await live_owner.apply(effect.body)
                 if stored.get("kind") == "StatefulSet":
@@ -412,17 +354,9 @@ class ServiceExecutor:
             elif isinstance(effect, PostEvent):
                 await self._event(body, effect)
             elif isinstance(effect, WriteStatus):
-                if self._hold(state, effect.patch, step):
-                    continue  # figures that only drifted: written with the next real change
                 rv = await k8s.patch_status(self.namespace, self.name, effect.patch)
                 self._status_written = time.monotonic()
                 self._remember(rv, step.state)
-
-    def _hold(self, state: ServiceState, patch: Mapping[str, Any], step: Step) -> bool:
-        written = self._status_written
-        since = None if written is None else time.monotonic() - written
-        lines = headroom_lines(step.spec) if step.spec is not None else ()
-        return hold(state.raw, patch, since, lines)
 
     async def _event(self, body: Mapping[str, Any], e: PostEvent) -> None:
         now = time.monotonic()
@@ -440,9 +374,8 @@ class ServiceExecutor:
         world: World,
         err: k8s.ApplyRefused,
     ) -> None:
-        """The API server refused what we rendered: retrying the same object cannot help. Say so
-        on the LLMService (Degraded, one Event per reason and period) and in the log once per
-        distinct refusal; a pending remediation stays written, to be finished once it can."""
+        """The API server refused what we rendered: retrying the same object cannot help
+        (core/step/refusals says so on the LLMService); logged once per distinct refusal."""
         message = f"{err}. {err.advice}"
         if isinstance(err, live_owner.OwnedElsewhere):
             # the other service may be going, its objects with it: look again soon
@@ -450,20 +383,11 @@ class ServiceExecutor:
         if self._refused != message:
             self._refused = message
             log.warning("LLMService %s/%s: %s", self.namespace, self.name, message)
-        when = iso(world.now)
-        conditions = set_condition(
-            list(state.raw.get("conditions") or []),
-            Condition.DEGRADED,
-            "True",
-            err.reason,
-            message,
-            when,
-            world.generation,
-        )
-        patch = status_patch(state.raw, {"conditions": conditions, "phase": Phase.DEGRADED.value})
-        if patch is not None:
-            await k8s.patch_status(self.namespace, self.name, patch)
-        await self._event(body, PostEvent("Warning", err.reason, message, repeat=True))
+        for effect in refused_apply(state, world, err.reason, message):
+            if isinstance(effect, WriteStatus):
+                await k8s.patch_status(self.namespace, self.name, effect.patch)
+            elif isinstance(effect, PostEvent):
+                await self._event(body, effect)
 
 
 def _older(rv: str, than: str) -> bool:

@@ -50,7 +50,7 @@ from rankguard_operator.edge import k8s
 from rankguard_operator.edge.api_health import HEALTH, KopfRetryFilter
 from rankguard_operator.edge.config import OperatorConfig
 from rankguard_operator.edge.executor import Seen, ServiceExecutor
-from rankguard_operator.edge.main import trim_freed_memory
+from rankguard_operator.edge.freed_memory import trim_periodically
 from rankguard_operator.edge.metrics_server import start_metrics_server
 from rankguard_operator.edge.packed import packed_deployment, without_managed_fields
 from rankguard_operator.edge.scrape import close_shared_session
@@ -59,7 +59,6 @@ log = logging.getLogger("rankguard_operator")
 
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
 UNEXPECTED_BACKOFF = 10.0  # seconds before kopf restarts a daemon after an unexpected error
-TRIM_EVERY_SECONDS = 60.0  # freed memory handed back to the system this often (edge/main)
 
 Key = tuple[str, str]  # (namespace, the LLMService's label value: names.label_value)
 
@@ -121,14 +120,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     HEALTH.use_probe(k8s.readyz)
     _fold_kopf_retries()
     start_metrics_server(config.metrics_host, config.metrics_port)
-    memo["trimmer"] = asyncio.ensure_future(_trim_periodically())
-
-
-async def _trim_periodically() -> None:
-    # At 1,000 Running services the operator's RSS was 308 MiB without it (docs/benchmarks.md).
-    while True:
-        await asyncio.sleep(TRIM_EVERY_SECONDS)
-        trim_freed_memory()
+    memo["trimmer"] = asyncio.ensure_future(trim_periodically())
 
 
 def _fold_kopf_retries() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import resource
@@ -13,39 +12,10 @@ import kopf
 
 from rankguard_operator.edge import k8s
 from rankguard_operator.edge.config import ConfigError, OperatorConfig
+from rankguard_operator.edge.freed_memory import fewer_malloc_arenas
 from rankguard_operator.edge.leader import LeaderElector, LeaseClient, StandbyHealth, exit_now
 from rankguard_operator.edge.metrics import LEADER
 from rankguard_operator.edge.metrics_server import start_metrics_server
-
-_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
-
-
-def fewer_malloc_arenas() -> bool:
-    """Two glibc malloc arenas instead of up to eight per core (what MALLOC_ARENA_MAX=2 does,
-    set here so no install has to remember it; an explicit MALLOC_ARENA_MAX wins). The API
-    calls run in worker threads and decode their JSON there; with an arena per thread, each
-    keeps its own freed-but-unreturned memory, which at a thousand services was tens of MiB
-    of RSS that Python no longer held. Returns whether it was set (False off glibc)."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(_M_ARENA_MAX, 2))
-
-
-def trim_freed_memory() -> bool:
-    """Hand the memory Python has freed back to the system (glibc's malloc_trim, which also
-    releases free pages inside the heap). A thousand services' first passes, and every status
-    the watches decode, leave freed memory behind that glibc would otherwise keep in RSS; the
-    service loops call this once a minute (edge/handlers). Returns whether memory was released
-    (False off glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.malloc_trim(0))
 
 
 def more_open_files() -> int:

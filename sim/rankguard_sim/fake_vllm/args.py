@@ -8,7 +8,7 @@ real `vllm serve` accepts parses here too, and one it refuses (unknown flag, bad
 the same preprocessing as vLLM's `FlexibleArgumentParser` first (`--config FILE`, `_` for `-`
 in long names, dotted JSON args, `-O3`, `-O 3`); the value types are arg_types.py's. The fake
 then uses the values it models (`config_from_args`) and ignores the rest.
-tests/unit/test_vllm_surface.py holds it against the real parser's verdicts.
+tests/unit/core/engine/test_surface.py holds it against the real parser's verdicts.
 
 Kept apart from the server so that anything holding a rendered `vllm serve ...` argv (the
 benchmark, tests) resolves it exactly as the fake vLLM does, without starting a process.

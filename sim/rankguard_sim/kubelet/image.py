@@ -42,7 +42,7 @@ import site
 import sys
 from pathlib import Path
 
-from rankguard_sim.kubelet.podspec import ImageTable
+from rankguard_sim.kubelet.pod.spec import ImageTable
 from rankguard_sim.vllm_snapshot import version as vllm_version
 
 SIM_DIR = Path(__file__).resolve().parents[2]  # the repo's sim/ source root

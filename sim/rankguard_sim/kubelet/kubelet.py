@@ -51,11 +51,11 @@ Where the sandbox differs from a real node, and only here:
   to a per-container, per-restart log file under workdir.
 
 Modules: this one holds the node (registration, heartbeat, its pods' workers, pod IPs);
-nodegpus.py hands out its GPUs; podwatch.py watches its pods; podapi.py makes the API
-calls for pods; podworker.py runs one pod on podcontainers.py (its containers as
-processes) and sees this node only as podnode.py's Protocol, so it never imports this
-module; podmeta.py reads a pod dict; podspec.py, podstatus.py, podvolumes.py and
-probes.py are the kubelet's rules as pure functions; podproc.py is a container's
+nodegpus.py hands out its GPUs; pod/watch.py watches its pods; pod/api.py makes the API
+calls for pods; pod/worker.py runs one pod on pod/containers.py (its containers as
+processes) and sees this node only as pod/node.py's Protocol, so it never imports this
+module; pod/meta.py reads a pod dict; pod/spec.py, pod/status.py, pod/volumes.py and
+probes.py are the kubelet's rules as pure functions; pod/proc.py is a container's
 processes; image.py is the command table.
 """
 
@@ -79,11 +79,11 @@ from rankguard_sim.kube.dns import ClusterDns
 from rankguard_sim.kubelet.image import build_image
 from rankguard_sim.kubelet.nodegpus import MigLayout, NodeGpus
 from rankguard_sim.kubelet.nodes import heartbeat, register_node
-from rankguard_sim.kubelet.podapi import PodApi
-from rankguard_sim.kubelet.podmeta import TERMINAL_PHASES, meta_of
-from rankguard_sim.kubelet.podspec import GPU_RESOURCE, ImageTable, IpPool
-from rankguard_sim.kubelet.podwatch import PodWatch
-from rankguard_sim.kubelet.podworker import PodWorker
+from rankguard_sim.kubelet.pod.api import PodApi
+from rankguard_sim.kubelet.pod.meta import TERMINAL_PHASES, meta_of
+from rankguard_sim.kubelet.pod.spec import GPU_RESOURCE, ImageTable, IpPool
+from rankguard_sim.kubelet.pod.watch import PodWatch
+from rankguard_sim.kubelet.pod.worker import PodWorker
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
@@ -336,7 +336,7 @@ class ProcessKubelet:
         return self._gpus.acquire(uid, count)
 
     def acquire_slices(self, uid: str, wanted: Mapping[str, int]) -> dict[str, list[str]] | None:
-        """MIG devices per `nvidia.com/mig-<profile>` resource (podworker.SliceNode)."""
+        """MIG devices per `nvidia.com/mig-<profile>` resource (pod.worker.SliceNode)."""
         return self._gpus.acquire_slices(uid, wanted)
 
     def free_slices(self, resource: str) -> list[str]:

@@ -23,13 +23,12 @@ from pathlib import Path
 
 from rankguard_agent.gpu.simfiles import DEFAULT_NAME
 from rankguard_sim.kubelet.nodes import gfd_labels
+from rankguard_sim.kubelet.pod.spec import MIG_RESOURCE_PREFIX
 from rankguard_sim.physics import gpus as simgpus
-from rankguard_sim.physics.scenario_data import Scenario
+from rankguard_sim.physics.scenario_data import GIB, Scenario
 from rankguard_sim.physics.scenario_file import load_scenario
 
-GIB = 1 << 30
 DEFAULT_GPU_TOTAL_BYTES = 80 * GIB
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 # NVML's profile names as the device plugin spells them: "<compute slices>g.<memory>gb", then
 # attributes ("+me" becomes ".me"): 1g.10gb, 3g.40gb, 1g.10gb.me, 1g.20gb …
 _PROFILE = re.compile(r"^(\d+)g\.(\d+)gb(?:\.[a-z0-9]+)*$")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rankguard_sim.kubelet.podspec import Container, SpecError, named_port
+from rankguard_sim.kubelet.pod.spec import Container, SpecError, named_port
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How vLLM 0.33's (hybrid) KV-cache allocator turns one rank's per-layer KV specs and a per-GPU
 budget (--kv-cache-memory-bytes) into blocks, printed tokens, printed max concurrency, and the
 smallest budget it starts with. Every rule cites the vLLM function it copies; the numbers are
-checked against the real package by tests/unit/test_kv_layout.py (fixture written by
+checked against the real package by tests/unit/core/budget/test_kv_layout.py (fixture written by
 hack/vllm-snapshot/kv_layouts.py).
 
 Assumes what a plain `vllm serve` on CUDA does: the default LBNHC layout (layer-outermost, so no
@@ -132,6 +132,10 @@ class KVLayout:
         return self.bytes_per_block * (self.blocks_per_request(max_model_len) + NULL_BLOCKS)
 
 
+# One KV-cache group: the spec its layers share, and the indices of those layers.
+_Group = tuple[_Spec, list[int]]
+
+
 def _uniform(specs: Sequence[_Spec]) -> bool:
     # is_kv_cache_spec_uniform: every spec merges with the first (KVCacheSpec.merge: equality).
     return all(s == specs[0] for s in specs)
@@ -207,7 +211,7 @@ def _unify_pages(specs: list[_Spec]) -> list[_Spec]:
     return out
 
 
-def _split_groups(specs: list[_Spec]) -> list[tuple[_Spec, list[int]]]:
+def _split_groups(specs: list[_Spec]) -> list[_Group]:
     """kv_cache_planning.py: _get_kv_cache_groups_uniform_page_size. Layers bucket by spec (in
     first-seen order); every bucket splits into groups of group_size layers, layer i of a bucket
     going to group i % n, so all groups have (at most) the same layer count."""
@@ -218,11 +222,60 @@ def _split_groups(specs: list[_Spec]) -> list[tuple[_Spec, list[int]]]:
     group_size = min(counts)
     if max(counts) < min(counts) * 1.5:  # few padding layers: use the largest count instead
         group_size = max(counts)
-    groups: list[tuple[_Spec, list[int]]] = []
+    groups: list[_Group] = []
     for spec, layers in buckets.items():
         n = _cdiv(len(layers), group_size)
         groups.extend((spec, layers[i::n]) for i in range(n))
     return groups
+
+
+def _check_layers(layers: Sequence[LayerKV], block_size: int, kernel_block: int, ckpt_align: int) -> None:
+    """Refuse what no vLLM spec can be built from (before any arithmetic, naming the layer kind)."""
+    if not layers:
+        raise ValueError("no KV layers: vLLM allocates no KV cache for attention-free models")
+    if block_size < 1 or kernel_block < 1 or ckpt_align < 1:
+        raise ValueError("block and kernel sizes must be positive")
+    for layer in layers:
+        if layer.kind == "mamba" and layer.state_bytes < 1:
+            raise ValueError("a mamba layer needs state_bytes")
+        if layer.kind != "mamba" and layer.bytes_per_token < 1:
+            raise ValueError(f"a {layer.kind} layer needs bytes_per_token")
+        if layer.kind in ("sliding", "chunked") and layer.window < 1:
+            raise ValueError(f"a {layer.kind} layer needs a window")
+
+
+def _layer_spec(layer: LayerKV, block_size: int) -> _Spec:
+    """One layer's spec at `block_size`, with the fields its kind does not use zeroed (so that
+    equal specs compare equal)."""
+    mamba = layer.kind == "mamba"
+    return _Spec(
+        kind=layer.kind,
+        window=layer.window if layer.kind in ("sliding", "chunked") else 0,
+        per_token=0 if mamba else layer.bytes_per_token,
+        state=layer.state_bytes if mamba else 0,
+        block_size=0 if mamba else block_size,
+    )
+
+
+def _group_specs(specs: list[_Spec], kinds: set[Kind]) -> tuple[list[_Spec], list[_Group], int]:
+    """get_kv_cache_groups, then the bytes one block id costs: (the specs as finally unified, the
+    groups with their layers, bytes per block). One group when uniform (all layers one spec) or
+    uniform-type (one type: _get_kv_cache_groups_uniform_type); otherwise unify pages and split."""
+    one_group = _uniform(specs) or _uniform_type(specs)
+    if not one_group:
+        try:
+            specs = _unify_pages(specs)
+        except ValueError:
+            # _try_get_full_allocation_fallback_groups: MLA next to plain sliding windows (and
+            # no chunked layer) falls back to full-attention allocation in one group.
+            if not ({"mla", "sliding"} <= kinds and "chunked" not in kinds):
+                raise
+            specs, one_group = _promote(specs), True
+    if one_group:
+        return specs, [(specs[0], list(range(len(specs))))], sum(s.page for s in specs)
+    grouped = _split_groups(specs)
+    # _get_kv_cache_bytes_per_block (layer-outer layout): the widest group's pages per block id.
+    return specs, grouped, max(len(members) * spec.page for spec, members in grouped)
 
 
 def kv_layout(
@@ -243,27 +296,8 @@ def kv_layout(
     chunked local attention. mamba_pages_per_request: MambaSpec.max_memory_usage_bytes / page,
     1 (+ speculative tokens) without prefix caching, 2 (+ spec + 1 FlashInfer-GDN checkpoint) with
     it. mamba_checkpoint_alignment: 64 for GDN on FlashInfer with prefix caching, else 1."""
-    if not layers:
-        raise ValueError("no KV layers: vLLM allocates no KV cache for attention-free models")
-    if block_size < 1 or kernel_block_size < 1 or mamba_checkpoint_alignment < 1:
-        raise ValueError("block and kernel sizes must be positive")
-    for layer in layers:
-        if layer.kind == "mamba" and layer.state_bytes < 1:
-            raise ValueError("a mamba layer needs state_bytes")
-        if layer.kind != "mamba" and layer.bytes_per_token < 1:
-            raise ValueError(f"a {layer.kind} layer needs bytes_per_token")
-        if layer.kind in ("sliding", "chunked") and layer.window < 1:
-            raise ValueError(f"a {layer.kind} layer needs a window")
-    specs = [
-        _Spec(
-            kind=x.kind,
-            window=x.window if x.kind in ("sliding", "chunked") else 0,
-            per_token=0 if x.kind == "mamba" else x.bytes_per_token,
-            state=x.state_bytes if x.kind == "mamba" else 0,
-            block_size=0 if x.kind == "mamba" else block_size,
-        )
-        for x in layers
-    ]
+    _check_layers(layers, block_size, kernel_block_size, mamba_checkpoint_alignment)
+    specs = [_layer_spec(x, block_size) for x in layers]
     kinds = {s.kind for s in specs}
     if "mamba" in kinds and kinds & _ATTENTION:
         specs = _align_mamba(specs, block_size, kernel_block_size, mamba_checkpoint_alignment)
@@ -271,25 +305,7 @@ def kv_layout(
         hybrid_allocator = "chunked" not in kinds
     if not hybrid_allocator:
         specs = _promote(specs)
-    # get_kv_cache_groups: one group when uniform (all layers one spec) or uniform-type (one
-    # type: _get_kv_cache_groups_uniform_type); otherwise unify pages and split.
-    one_group = _uniform(specs) or _uniform_type(specs)
-    if not one_group:
-        try:
-            specs = _unify_pages(specs)
-        except ValueError:
-            # _try_get_full_allocation_fallback_groups: MLA next to plain sliding windows (and
-            # no chunked layer) falls back to full-attention allocation in one group.
-            if not ({"mla", "sliding"} <= kinds and "chunked" not in kinds):
-                raise
-            specs, one_group = _promote(specs), True
-    if one_group:
-        grouped = [(specs[0], list(range(len(specs))))]
-        per_block = sum(s.page for s in specs)
-    else:
-        grouped = _split_groups(specs)
-        # _get_kv_cache_bytes_per_block (layer-outer layout): the widest group's pages per block id.
-        per_block = max(len(members) * spec.page for spec, members in grouped)
+    specs, grouped, per_block = _group_specs(specs, kinds)
     attn_bs = [s.block_size for s, _ in grouped if s.kind != "mamba"]
     return KVLayout(
         block_size=min(attn_bs) if attn_bs else block_size,

@@ -1,7 +1,10 @@
 """The per-rank KV-cache budget planner. Pure functions over plain data: no I/O, no clock.
 
-`make_plan` is one computation read top to bottom, rank by rank, with its input and output
-types beside it; the pieces it adds up live in `memory_model`, `model.weights` and `kv_model`.
+`make_plan` reads top to bottom in named steps (each stage's shared figures, each rank's memory
+beside its KV cache, the budget the tightest rank sets, the equivalent utilisation, the
+warnings), with its input and output types beside it; the pieces it adds up live in
+`memory_model`, `model.weights` and `kv_model`. (Over 450 lines because the plan's types and the
+steps that fill them are one computation: apart, neither half reads without the other.)
 
 Why per rank: under tensor parallelism vLLM applies ONE KV budget to every rank (it takes the
 minimum of the workers' block counts, and `--kv-cache-memory-bytes` is one number "per GPU"),
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from rankguard_operator.core.budget.kv_layout import KVLayout
@@ -49,8 +53,8 @@ from rankguard_operator.core.budget.kv_model import (
     capacity_of,
     layer_kv,
     resolve_max_model_len,
-    stage_kv_layout,
     stage_layers,
+    stage_layouts,
     stage_range,
 )
 from rankguard_operator.core.budget.memory_model import (
@@ -254,6 +258,220 @@ def _floor4(x: float) -> float:
     return math.floor(x * 10000) / 10000
 
 
+@dataclass(frozen=True)
+class _StageFigures:
+    """What every TP rank of one pipeline stage shares, worked out once per stage."""
+
+    stage: int
+    layers: int
+    kv_bytes_per_token: int
+    config_weights: int  # config.json arithmetic; 0 when the checkpoint's headers give the weights
+    activation: int
+    cudagraphs: int
+    profile_comm: int
+
+
+def _stage_figures(inp: PlanInput) -> Iterator[_StageFigures]:
+    """Stage by stage, lazily: a stage's weights are worked out when its first rank is drafted, so
+    an earlier rank's error (a missing measurement) is the one raised."""
+    shape, tp, pp = inp.shape, inp.tp, inp.pp
+    stages = stage_layers(shape, pp, inp.pp_layer_partition)
+    ranges = [stage_range(stages, st) for st in range(pp)]
+    kvb = kv_dtype_bytes(inp.kv_cache_dtype, inp.dtype)
+    per_token = [sum(layer_kv(shape, i, tp, kvb).bytes_per_token for i in ranges[st]) for st in range(pp)]
+    act = activation_bytes(shape, tp, inp.max_num_batched_tokens, inp.dtype)
+    n_graphs = 0 if inp.enforce_eager else capture_sizes(inp.max_num_seqs, inp.max_num_batched_tokens)
+    comm = profile_comm_bytes(tp, pp, cross_node=inp.cross_node_tp)
+    for st in range(pp):
+        yield _StageFigures(
+            stage=st,
+            layers=stages[st],
+            kv_bytes_per_token=per_token[st],
+            # every TP rank of a stage holds the same weights
+            config_weights=0 if inp.checkpoint_weights is not None else _config_weights(inp, stages, st),
+            activation=act,
+            cudagraphs=cudagraph_bytes(stages[st], tp, n_graphs, cross_node=inp.cross_node_tp),
+            profile_comm=comm,
+        )
+
+
+def _config_weights(inp: PlanInput, stages: tuple[int, ...], stage: int) -> int:
+    return weight_bytes(
+        inp.shape,
+        inp.tp,
+        pp_stage=stage,
+        pp=inp.pp,
+        layers=stages[stage],
+        first_layer=stage_range(stages, stage).start,
+        dtype=inp.dtype,
+        weight_dtype=inp.weight_dtype,
+        quantization=inp.quantization,
+    )
+
+
+def _logits_and_sampler(inp: PlanInput, stage: int, tp_rank: int) -> tuple[int, int]:
+    """The logits buffer and the sampler's fp32 copies on one rank: only the last stage computes
+    logits, and only a rank that holds the full logits (every rank when all-gathered) samples."""
+    terminal = stage == inp.pp - 1
+    if not terminal:
+        return 0, 0
+    logits = logits_bytes(inp.shape, inp.tp, inp.max_num_seqs, inp.logits_mode, tp_rank=tp_rank)
+    if inp.logits_mode != "all-gather" and tp_rank != 0:
+        return logits, 0
+    return logits, SAMPLER_FP32_COPIES * inp.shape.vocab_size * inp.max_num_seqs * LOGITS_BYTES_PER_VALUE
+
+
+def _context(inp: PlanInput, m: RankMeasurement | None, rank: int, total: int) -> tuple[int, str]:
+    """CUDA context + NCCL: measured (total minus free after init) where the agent saw it, else the prior."""
+    if m is not None and m.free_after_init_bytes is not None:
+        return total - m.free_after_init_bytes, "measured"
+    return context_prior_bytes(rank, inp.tp, inp.pp), "prior"
+
+
+def _non_kv(
+    m: RankMeasurement | None, rank: int, context: int, estimate: int, *, measured_only: bool
+) -> tuple[int, str]:
+    """The rank's non-KV figure and its source: an observed peak replaces the estimate, and the
+    engine's own report may only raise it (see RankMeasurement)."""
+    if measured_only:
+        seen = [v for v in (m.engine_non_kv_bytes, m.peak_non_kv_bytes) if v is not None] if m else []
+        if not seen:
+            raise PlanError(f"rank {rank} has no measured non-KV figure; a measure-first plan needs one")
+        estimate = max(context, *seen)
+    non_kv, source = estimate, "estimate"
+    if m is not None and m.peak_non_kv_bytes is not None:
+        # the observation includes context; never let the runtime part go below zero
+        non_kv, source = max(m.peak_non_kv_bytes, context), "measured-peak"
+    if m is not None and m.engine_non_kv_bytes is not None and m.engine_non_kv_bytes > non_kv:
+        non_kv, source = m.engine_non_kv_bytes, "engine"
+    return non_kv, source
+
+
+def _draft_rank(inp: PlanInput, fig: _StageFigures, tp_rank: int, m: RankMeasurement | None) -> RankPlan:
+    """One rank's memory beside its KV cache; blocks and headroom wait for the budget (zero here)."""
+    rank = fig.stage * inp.tp + tp_rank
+    total = m.total_bytes if m is not None and m.total_bytes is not None else inp.gpu_memory_bytes
+    if inp.checkpoint_weights is not None:
+        weights, weights_source = inp.checkpoint_weights[rank], "checkpoint"
+    else:
+        weights, weights_source = fig.config_weights, "config"
+    logits, sampler = _logits_and_sampler(inp, fig.stage, tp_rank)
+    context, context_source = _context(inp, m, rank, total)
+    estimate = (
+        context
+        + weights
+        + runtime_peak_bytes(fig.activation, logits, sampler)
+        + fig.cudagraphs
+        + fig.profile_comm
+    )
+    non_kv, non_kv_source = _non_kv(m, rank, context, estimate, measured_only=inp.measured_only)
+    least = (
+        non_kv
+        if non_kv_source != "estimate"
+        else weights + logits + (context if context_source == "measured" else CONTEXT_FLOOR_BYTES)
+    )
+    return RankPlan(
+        rank=rank,
+        pp_stage=fig.stage,
+        tp_rank=tp_rank,
+        layers=fig.layers,
+        total_bytes=total,
+        weights_bytes=weights,
+        logits_bytes=logits,
+        sampler_bytes=sampler,
+        activation_bytes=fig.activation,
+        context_bytes=context,
+        context_source=context_source,
+        cudagraph_bytes=fig.cudagraphs,
+        non_kv_bytes=non_kv,
+        non_kv_source=non_kv_source,
+        safe_kv_bytes=total - non_kv,
+        kv_bytes_per_token=fig.kv_bytes_per_token,
+        blocks=0,
+        headroom_bytes=0,
+        weights_source=weights_source,
+        profile_comm_bytes=fig.profile_comm,
+        least_non_kv_bytes=min(least, non_kv),
+    )
+
+
+def _draft_ranks(inp: PlanInput) -> list[RankPlan]:
+    """Every rank of the replica in vLLM's order (global rank = pp_stage * tp + tp_rank)."""
+    measured = {m.rank: m for m in inp.measured}
+    return [
+        _draft_rank(inp, fig, tp_rank, measured.get(fig.stage * inp.tp + tp_rank))
+        for fig in _stage_figures(inp)
+        for tp_rank in range(inp.tp)
+    ]
+
+
+def _budgets(drafts: list[RankPlan], block_unit: int, margin: int) -> tuple[RankPlan, int, int]:
+    """(the bottleneck rank, the budget it sets, the naive budget the roomiest rank would set),
+    both whole blocks after the safety margin."""
+    # ties go to the lowest rank, so an even split names rank 0, as vLLM's reports would
+    bottleneck = min(drafts, key=lambda r: (r.safe_kv_bytes, r.rank))
+    budget = max(0, (bottleneck.safe_kv_bytes - margin) // block_unit * block_unit)
+    best = max(r.safe_kv_bytes for r in drafts)
+    naive = max(0, (best - margin) // block_unit * block_unit)
+    return bottleneck, budget, naive
+
+
+def _utilization(ranks: tuple[RankPlan, ...], budget: int) -> tuple[float, int, float, float]:
+    """(the equivalent --gpu-memory-utilization, the KV it gives the bottleneck, the utilisation
+    the budget needs, the most that free memory after init allows)."""
+    # vLLM sizes KV as util × total − (what it measures: non-KV minus context), per rank, and
+    # refuses to start when util × total exceeds free memory after init (the facts).
+    needed = max((budget + r.runtime_non_kv_bytes) / r.total_bytes for r in ranks)
+    startup_cap = min((r.total_bytes - r.context_bytes) / r.total_bytes for r in ranks)
+    util = max(0.0, _floor4(min(needed, startup_cap, 1.0)))
+    util_kv = max(0, min(math.floor(util * r.total_bytes) - r.runtime_non_kv_bytes for r in ranks))
+    return util, util_kv, needed, startup_cap
+
+
+def _no_room_warnings(ranks: tuple[RankPlan, ...]) -> list[str]:
+    return [
+        f"rank {r.rank}: weights and overheads ({format_bytes(r.non_kv_bytes)}) leave no room "
+        f"for any KV cache on a {format_bytes(r.total_bytes)} GPU; raise TP/PP or use a larger GPU"
+        for r in ranks
+        if r.safe_kv_bytes <= 0
+    ]
+
+
+def _one_request_warnings(
+    feasible: bool, most: int, floor: int, *, budget: int, bottleneck_rank: int, mml: int
+) -> list[str]:
+    if not feasible:
+        return [
+            f"even the least a rank needs beside its KV cache leaves {format_bytes(max(0, most))}, which "
+            f"cannot hold one request of max_model_len {mml} ({format_bytes(floor)}); lower "
+            "max_model_len, raise TP, or use an fp8 KV cache"
+        ]
+    if budget < floor:
+        return [
+            f"the planned KV budget {format_bytes(budget)} (rank {bottleneck_rank}) is below one request "
+            f"of max_model_len {mml} ({format_bytes(floor)}) under the priors; it starts at that floor"
+        ]
+    return []
+
+
+def _utilization_warnings(needed: float, startup_cap: float, budget: int, util_kv: int) -> list[str]:
+    if needed > startup_cap and budget > 0:
+        return [
+            f"no --gpu-memory-utilization reproduces this budget: free memory after init caps it at "
+            f"{_floor4(startup_cap)}, which gives {format_bytes(util_kv)} of KV; use --kv-cache-memory-bytes"
+        ]
+    return []
+
+
+def _context_length_warnings(shape: ModelShape, mml: int) -> list[str]:
+    if shape.max_position_embeddings is not None and mml > shape.max_position_embeddings:
+        return [
+            f"max_model_len {mml} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+        ]
+    return []
+
+
 @functools.lru_cache(maxsize=4096)
 def make_plan(inp: PlanInput) -> Plan:
     """Plan the per-GPU KV budget for every rank of one replica. Raises PlanError on impossible input.
@@ -261,170 +479,40 @@ def make_plan(inp: PlanInput) -> Plan:
     Cached: every pass of every service plans again from the same inputs (a frozen, hashable
     PlanInput) to the same frozen Plan; at a thousand services planning was a third of a pass."""
     mml = _check_input(inp)
-    shape, tp, pp = inp.shape, inp.tp, inp.pp
-    stages = stage_layers(shape, pp, inp.pp_layer_partition)
-    measured = {m.rank: m for m in inp.measured}
-    warnings: list[str] = []
-
-    ranges = [stage_range(stages, st) for st in range(pp)]
-    layouts = [
-        stage_kv_layout(
-            shape,
-            tp,
-            ranges[st],
-            kv_cache_dtype=inp.kv_cache_dtype,
-            dtype=inp.dtype,
-            block_size=inp.block_size,
-            max_num_batched_tokens=inp.max_num_batched_tokens,
-        )
-        for st in range(pp)
-    ]
-    kvb = kv_dtype_bytes(inp.kv_cache_dtype, inp.dtype)
-    per_token = [sum(layer_kv(shape, i, tp, kvb).bytes_per_token for i in ranges[st]) for st in range(pp)]
-    act = activation_bytes(shape, tp, inp.max_num_batched_tokens, inp.dtype)
-    n_graphs = 0 if inp.enforce_eager else capture_sizes(inp.max_num_seqs, inp.max_num_batched_tokens)
-    comm = profile_comm_bytes(tp, pp, cross_node=inp.cross_node_tp)
-    drafts: list[RankPlan] = []
-    stage_weights: dict[int, int] = {}
-    for rank in range(tp * pp):
-        stage, tp_rank = divmod(rank, tp)
-        m = measured.get(rank)
-        total = m.total_bytes if m is not None and m.total_bytes is not None else inp.gpu_memory_bytes
-        if inp.checkpoint_weights is not None:
-            weights, weights_source = inp.checkpoint_weights[rank], "checkpoint"
-        elif stage in stage_weights:
-            weights, weights_source = stage_weights[stage], "config"  # every TP rank of a stage alike
-        else:
-            weights, weights_source = (
-                weight_bytes(
-                    shape,
-                    tp,
-                    pp_stage=stage,
-                    pp=pp,
-                    layers=stages[stage],
-                    first_layer=ranges[stage].start,
-                    dtype=inp.dtype,
-                    weight_dtype=inp.weight_dtype,
-                    quantization=inp.quantization,
-                ),
-                "config",
-            )
-            stage_weights[stage] = weights
-        terminal = stage == pp - 1
-        logits = (
-            logits_bytes(shape, tp, inp.max_num_seqs, inp.logits_mode, tp_rank=tp_rank) if terminal else 0
-        )
-        holds_full_logits = terminal and (inp.logits_mode == "all-gather" or tp_rank == 0)
-        sampler = (
-            SAMPLER_FP32_COPIES * shape.vocab_size * inp.max_num_seqs * LOGITS_BYTES_PER_VALUE
-            if holds_full_logits
-            else 0
-        )
-        if m is not None and m.free_after_init_bytes is not None:
-            context, context_source = total - m.free_after_init_bytes, "measured"
-        else:
-            context, context_source = context_prior_bytes(rank, tp, pp), "prior"
-        graphs = cudagraph_bytes(stages[stage], tp, n_graphs, cross_node=inp.cross_node_tp)
-        estimate = context + weights + runtime_peak_bytes(act, logits, sampler) + graphs + comm
-        if inp.measured_only:
-            seen = [v for v in (m.engine_non_kv_bytes, m.peak_non_kv_bytes) if v is not None] if m else []
-            if not seen:
-                raise PlanError(f"rank {rank} has no measured non-KV figure; a measure-first plan needs one")
-            estimate = max(context, *seen)
-        if m is not None and m.peak_non_kv_bytes is not None:
-            # the observation includes context; never let the runtime part go below zero
-            non_kv, non_kv_source = max(m.peak_non_kv_bytes, context), "measured-peak"
-        else:
-            non_kv, non_kv_source = estimate, "estimate"
-        if m is not None and m.engine_non_kv_bytes is not None and m.engine_non_kv_bytes > non_kv:
-            non_kv, non_kv_source = m.engine_non_kv_bytes, "engine"
-        least = (
-            non_kv
-            if non_kv_source != "estimate"
-            else weights + logits + (context if context_source == "measured" else CONTEXT_FLOOR_BYTES)
-        )
-        drafts.append(
-            RankPlan(
-                rank=rank,
-                pp_stage=stage,
-                tp_rank=tp_rank,
-                layers=stages[stage],
-                total_bytes=total,
-                weights_bytes=weights,
-                logits_bytes=logits,
-                sampler_bytes=sampler,
-                activation_bytes=act,
-                context_bytes=context,
-                context_source=context_source,
-                cudagraph_bytes=graphs,
-                non_kv_bytes=non_kv,
-                non_kv_source=non_kv_source,
-                safe_kv_bytes=total - non_kv,
-                kv_bytes_per_token=per_token[stage],
-                blocks=0,
-                headroom_bytes=0,
-                weights_source=weights_source,
-                profile_comm_bytes=comm,
-                least_non_kv_bytes=min(least, non_kv),
-            )
-        )
-
-    # ties go to the lowest rank, so an even split names rank 0, as vLLM's reports would
-    bottleneck = min(drafts, key=lambda r: (r.safe_kv_bytes, r.rank))
+    layouts = stage_layouts(
+        inp.shape,
+        inp.tp,
+        pp=inp.pp,
+        kv_cache_dtype=inp.kv_cache_dtype,
+        dtype=inp.dtype,
+        block_size=inp.block_size,
+        pp_layer_partition=inp.pp_layer_partition,
+        max_num_batched_tokens=inp.max_num_batched_tokens,
+    )
+    drafts = _draft_ranks(inp)
     block_unit = max(lay.bytes_per_block for lay in layouts)
-    budget = max(0, (bottleneck.safe_kv_bytes - inp.safety_margin_bytes) // block_unit * block_unit)
-    best = max(r.safe_kv_bytes for r in drafts)
-    naive = max(0, (best - inp.safety_margin_bytes) // block_unit * block_unit)
-
+    bottleneck, budget, naive = _budgets(drafts, block_unit, inp.safety_margin_bytes)
     ranks = tuple(
         replace(r, blocks=layouts[r.pp_stage].blocks(budget), headroom_bytes=r.safe_kv_bytes - budget)
         for r in drafts
     )
-
     cap, naive_cap = capacity_of(layouts, budget, mml), capacity_of(layouts, naive, mml)
     # one request at max_model_len plus the null block(s), on the stage that needs the most
     floor = max(lay.min_budget_bytes(mml) for lay in layouts)
-
-    # vLLM sizes KV as util × total − (what it measures: non-KV minus context), per rank, and
-    # refuses to start when util × total exceeds free memory after init (the facts).
-    needed = max((budget + r.runtime_non_kv_bytes) / r.total_bytes for r in ranks)
-    startup_cap = min((r.total_bytes - r.context_bytes) / r.total_bytes for r in ranks)
-    util = max(0.0, _floor4(min(needed, startup_cap, 1.0)))
-    util_kv = max(0, min(math.floor(util * r.total_bytes) - r.runtime_non_kv_bytes for r in ranks))
-
-    for r in ranks:
-        if r.safe_kv_bytes <= 0:
-            warnings.append(
-                f"rank {r.rank}: weights and overheads ({format_bytes(r.non_kv_bytes)}) leave no room "
-                f"for any KV cache on a {format_bytes(r.total_bytes)} GPU; raise TP/PP or use a larger GPU"
-            )
+    util, util_kv, needed, startup_cap = _utilization(ranks, budget)
     # Feasible unless even the least each rank can need leaves no room for one request: the
     # priors (and the safety margin) size the budget, but a verdict from them would refuse
     # what vLLM serves (a 72B model at TP2 on 80 GB cards, an 8B model at 20K on a 24 GB card).
     most = min(r.total_bytes - r.least_non_kv_bytes for r in ranks)
     feasible = most >= floor > 0
-    if not feasible:
-        warnings.append(
-            f"even the least a rank needs beside its KV cache leaves {format_bytes(max(0, most))}, which "
-            f"cannot hold one request of max_model_len {mml} ({format_bytes(floor)}); lower "
-            "max_model_len, raise TP, or use an fp8 KV cache"
-        )
-    elif budget < floor:
-        warnings.append(
-            f"the planned KV budget {format_bytes(budget)} (rank {bottleneck.rank}) is below one request "
-            f"of max_model_len {mml} ({format_bytes(floor)}) under the priors; it starts at that floor"
-        )
-    if needed > startup_cap and budget > 0:
-        warnings.append(
-            f"no --gpu-memory-utilization reproduces this budget: free memory after init caps it at "
-            f"{_floor4(startup_cap)}, which gives {format_bytes(util_kv)} of KV; use --kv-cache-memory-bytes"
-        )
-    if shape.max_position_embeddings is not None and mml > shape.max_position_embeddings:
-        warnings.append(
-            f"max_model_len {mml} exceeds the model's max_position_embeddings "
-            f"{shape.max_position_embeddings}; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
-        )
-
+    warnings = [
+        *_no_room_warnings(ranks),
+        *_one_request_warnings(
+            feasible, most, floor, budget=budget, bottleneck_rank=bottleneck.rank, mml=mml
+        ),
+        *_utilization_warnings(needed, startup_cap, budget, util_kv),
+        *_context_length_warnings(inp.shape, mml),
+    ]
     return Plan(
         inputs=inp,
         max_model_len=mml,

@@ -6,7 +6,7 @@ and the agent use, and the memory vLLM uses is the memory the planner counted. T
 records which options touch each (surface.json: the world size's factors, the options the
 serve command and the socket set-up read, the options that size memory); every one of them is
 here, or owned (core/engine/owned_flags), or in `NO_EFFECT` with the reason it changes none of
-the three. tests/unit/test_vllm_surface.py fails when a new vLLM adds one that is nowhere.
+the three. tests/unit/core/engine/test_surface.py fails when a new vLLM adds one that is nowhere.
 
 - `REFUSED`: the option turns on something a rankguard pod cannot be (no HTTP server, a world
   larger than the pod, TLS the probes cannot speak, another launcher): refused with the reason.
@@ -197,55 +197,100 @@ def _turned_on(s: Setting) -> bool:
 
 def _rules(found: Mapping[str, Setting], tp: int, pp: int) -> list[str]:
     """What vLLM checks before it loads anything (its serve-args validation and ParallelConfig)."""
-    problems: list[str] = []
+    problems = [
+        _api_server_count_problem(found),
+        _prefill_context_problem(found),
+        _decode_context_problem(found, tp),
+        _executor_problem(found, tp * pp),
+        *_companion_problems(found),
+        _per_request_metrics_problem(found),
+        _keep_alive_problem(found),
+    ]
+    return [p for p in problems if p is not None]
+
+
+def _api_server_count_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("api_server_count")
     if s is not None and (_int(s.value) or 0) < 1:
-        problems.append(f"[{s.at}] {s.key} {s.value} starts no API server: {_NO_HTTP}")
+        return f"[{s.at}] {s.key} {s.value} starts no API server: {_NO_HTTP}"
+    return None
+
+
+def _prefill_context_problem(found: Mapping[str, Setting]) -> str | None:
+    # (refused here, not with the rest of REFUSED: 1 is vLLM's default and changes nothing)
     s = found.get("prefill_context_parallel_size")
     if s is not None and (_int(s.value) or 1) > 1:
-        problems.append(f"[{s.at}] {s.key} {s.value} {REFUSED['prefill_context_parallel_size']}")
+        return f"[{s.at}] {s.key} {s.value} {REFUSED['prefill_context_parallel_size']}"
+    return None
+
+
+def _decode_context_problem(found: Mapping[str, Setting], tp: int) -> str | None:
     s = found.get("decode_context_parallel_size")
     dcp = _int(s.value) if s is not None else None
     if s is not None and dcp is not None and (dcp < 1 or tp % dcp):
-        problems.append(
+        return (
             f"[{s.at}] {s.key} {s.value} must divide spec.tensorParallelSize ({tp}): vLLM's decode context "
             "parallel groups are made of tensor-parallel ranks"
         )
+    return None
+
+
+# --distributed-executor-backend values that cannot run in a rankguard pod -> why
+_EXECUTORS_REFUSED = {
+    "ray": f"ray is refused: {_RAY}",
+    "external_launcher": (
+        "external_launcher is refused: every rank would have to be started by a launcher such as "
+        "torchrun, and the pod starts vLLM once"
+    ),
+}
+
+
+def _executor_problem(found: Mapping[str, Setting], gpus: int) -> str | None:
     s = found.get("distributed_executor_backend")
-    if s is not None and s.value not in (None, "", "None"):
-        if s.value == "ray":
-            problems.append(f"[{s.at}] {s.key} ray is refused: {_RAY}")
-        elif s.value == "external_launcher":
-            problems.append(
-                f"[{s.at}] {s.key} external_launcher is refused: every rank would have to be started by a "
-                "launcher such as torchrun, and the pod starts vLLM once"
-            )
-        elif s.value not in EXECUTORS:
-            problems.append(f"[{s.at}] {s.key} must be one of {', '.join(EXECUTORS)}; got {s.value!r}")
-        elif s.value == "uni" and tp * pp > 1:
-            problems.append(
-                f"[{s.at}] {s.key} uni runs one process and cannot drive {tp * pp} GPUs; "
-                "use mp or leave it out"
-            )
-    for dest, needs in (
-        ("enable_auto_tool_choice", "tool_call_parser"),
-        ("enable_log_outputs", "enable_log_requests"),
-        ("numa_bind_nodes", "numa_bind"),
-        ("numa_bind_cpus", "numa_bind"),
-    ):
+    if s is None or s.value is None or s.value in ("", "None"):
+        return None
+    if s.value in _EXECUTORS_REFUSED:
+        return f"[{s.at}] {s.key} {_EXECUTORS_REFUSED[s.value]}"
+    if s.value not in EXECUTORS:
+        return f"[{s.at}] {s.key} must be one of {', '.join(EXECUTORS)}; got {s.value!r}"
+    if s.value == "uni" and gpus > 1:
+        return f"[{s.at}] {s.key} uni runs one process and cannot drive {gpus} GPUs; use mp or leave it out"
+    return None
+
+
+# dest -> the option vLLM refuses to start without when it is turned on
+_NEEDS = (
+    ("enable_auto_tool_choice", "tool_call_parser"),
+    ("enable_log_outputs", "enable_log_requests"),
+    ("numa_bind_nodes", "numa_bind"),
+    ("numa_bind_cpus", "numa_bind"),
+)
+
+
+def _companion_problems(found: Mapping[str, Setting]) -> list[str]:
+    problems = []
+    for dest, needs in _NEEDS:
         s = found.get(dest)
         need = found.get(needs)
         if s is not None and _turned_on(s) and (need is None or not _turned_on(need)):
             flag = "--" + needs.replace("_", "-")
             problems.append(f"[{s.at}] {s.key} needs {flag} (vLLM refuses to start without it)")
+    return problems
+
+
+def _per_request_metrics_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("enable_per_request_metrics")
     off = found.get("disable_log_stats")
     if s is not None and _turned_on(s) and off is not None and off.on:
-        problems.append(f"[{s.at}] {s.key} needs engine statistics: remove {off.key} (vLLM refuses both)")
+        return f"[{s.at}] {s.key} needs engine statistics: remove {off.key} (vLLM refuses both)"
+    return None
+
+
+def _keep_alive_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("sse_keep_alive_interval")
     if s is not None and (_int(s.value) or 0) < 0:
-        problems.append(f"[{s.at}] {s.key} must be 0 (off) or a positive number of seconds")
-    return problems
+        return f"[{s.at}] {s.key} must be 0 (off) or a positive number of seconds"
+    return None
 
 
 def check_surface(extra_args: Sequence[str], cli: VllmCli, tp: int, pp: int) -> list[str]:

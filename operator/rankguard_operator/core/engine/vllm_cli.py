@@ -8,7 +8,7 @@ is ambiguous), `--json-arg.key value`, `-O3` and `-O 3`. The JSON options (a pyd
 to vLLM) are checked against their recorded schema (core/engine/json_options). It reports each
 problem as one sentence instead of exiting 2 or crashing, so the operator can refuse an
 LLMService before anything is deployed and `rankguard render --check` can say what vLLM would
-refuse. tests/unit/test_vllm_surface.py holds it against what the real parser did with 1,000+
+refuse. tests/unit/core/engine/test_surface.py holds it against what the real parser did with 1,000+
 command lines (tests/fixtures/vllm_argv_cases.json).
 
 Pure: no I/O (the snapshot is handed in).
@@ -260,102 +260,108 @@ class VllmCli:
         return list(words), list(problems)
 
     def _walk(self, argv: tuple[str, ...]) -> tuple[tuple[tuple[int, Word], ...], tuple[str, ...]]:
-        words: list[tuple[int, Word]] = []
-        problems: list[str] = []
-        dotted: dict[str, tuple[int, Option, dict[str, Any]]] = {}
         # FlexibleArgumentParser reads these before argparse, wherever they stand (a value too)
-        misread = {j for j, item in enumerate(argv) if self._misread_dotted(item)}
-        for j in sorted(misread):
-            problems.append(
-                f"[{j}] {argv[j]!r}: vLLM {self.version} reads an item that starts with '-' and holds a "
-                "'.' as a dotted JSON option (`-x.key value`): a negative decimal crashes its parser or "
-                "swallows the next item; leave it out or write it without the sign"
-            )
+        misread = frozenset(j for j, item in enumerate(argv) if self._misread_dotted(item))
+        words: list[tuple[int, Word]] = []
+        problems = [self._misread_problem(j, argv[j]) for j in sorted(misread)]
         i = 0
         while i < len(argv):
-            item = argv[i]
-            start, at = i, f"[{i}] {item!r}"
-            if i in misread:
-                i += 1
-                continue
-            if item == "-O" and i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
-                o = self._by_spelling.get("--optimization-level")
-                words.append((i, Word(o, "-O", argv[i + 1], values=(argv[i + 1],))))
-                i += 2
-                continue
-            if not self.looks_like_flag(item):
-                if item.startswith("-") and " " in item:
-                    parts = ", ".join(repr(p) for p in item.split())
-                    problems.append(
-                        f"{at} is one argv item with a space in it: vLLM reads it as one unknown "
-                        f"argument and exits; write it as separate items: {parts}"
-                    )
-                else:
-                    problems.append(f"{at} is a value without a flag before it; vLLM would refuse it")
-                i += 1
-                continue
-            word = self.read(item)
-            o = word.option
-            if o is None:
-                words.append((i, word))
-                if word.ambiguous:
-                    problems.append(
-                        f"{at}: {word.key} is ambiguous to vLLM {self.version} (it could be "
-                        f"{', '.join(word.ambiguous)}); write the whole flag"
-                    )
-                else:
-                    problems.append(
-                        f"{at}: vLLM {self.version} has no option {word.key}{self.suggest(word.key)}"
-                    )
-                i += 1
-                continue
-            if word.dotted:  # `--json-arg.key value`: vLLM folds these into the JSON option
-                text = word.attached
-                if text is None and i + 1 < len(argv):
-                    text = argv[i + 1]
-                i += 1 if word.attached is not None else 2
-                if text is None:
-                    problems.append(f"{at}: {word.key} needs a value")
-                    continue
-                words.append((start, replace(word, values=(text,))))
-                merged = dotted.setdefault(o.dest, (start, o, {}))[2]
-                _fold(merged, word.key, text)
-                continue
-            if not o.takes_value:
-                if word.attached is not None:
-                    problems.append(f"{at}: {word.key} takes no value")
-                words.append((i, word))
-                i += 1
-                continue
-            values: list[str] = []
-            if word.attached is not None:
-                values.append(word.attached)
-                i += 1
-            else:
-                i += 1
-                many = o.nargs in ("+", "*")
-                while i < len(argv) and not self.looks_like_flag(argv[i]) and (many or not values):
-                    values.append(argv[i])
-                    i += 1
-                    if o.nargs == "?" and values:
-                        break
-            misread_values = {argv[j] for j in misread if start < j < i}
-            words.append((start, replace(word, values=tuple(values))))
-            if not values and o.nargs not in ("?", "*"):
-                problems.append(f"{at}: {word.key} needs a value")
-            for v in values:
-                if v in misread_values:
-                    continue
-                why = self.check_value(o, word.key, v)
-                if why is None and many_optional(o) and v in ("", "None"):
-                    why = f"{word.key} reads {v!r} as null inside its list, which vLLM's config refuses"
-                if why is not None:
-                    problems.append(f"{at}: {why}")
+            step = self._read_item(argv, i, misread)
+            if step.word is not None:
+                words.append((i, step.word))
+            problems += step.problems
+            i = step.end
+        problems += self._dotted_problems(words)
+        return tuple(words), tuple(problems)
+
+    def _misread_problem(self, j: int, item: str) -> str:
+        return (
+            f"[{j}] {item!r}: vLLM {self.version} reads an item that starts with '-' and holds a "
+            "'.' as a dotted JSON option (`-x.key value`): a negative decimal crashes its parser or "
+            "swallows the next item; leave it out or write it without the sign"
+        )
+
+    def _read_item(self, argv: tuple[str, ...], i: int, misread: frozenset[int]) -> _Step:
+        """argv[i] and the values it takes: the word it is (None: none), its problems, and where
+        the next item starts."""
+        item = argv[i]
+        at = f"[{i}] {item!r}"
+        if i in misread:  # said once, before the walk
+            return _Step(i + 1)
+        if item == "-O" and i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
+            level = argv[i + 1]
+            optimization = self._by_spelling.get("--optimization-level")
+            return _Step(i + 2, Word(optimization, "-O", level, values=(level,)))
+        if not self.looks_like_flag(item):
+            return _Step(i + 1, problems=(_stray_problem(at, item),))
+        word = self.read(item)
+        o = word.option
+        if o is None:
+            return _Step(i + 1, word, (self._unknown_problem(at, word),))
+        if word.dotted:  # `--json-arg.key value`: vLLM folds these into the JSON option
+            return _read_dotted(argv, i, word, at)
+        if not o.takes_value:
+            refused = () if word.attached is None else (f"{at}: {word.key} takes no value",)
+            return _Step(i + 1, word, refused)
+        return self._read_valued(argv, i, word, o, misread)
+
+    def _read_valued(
+        self, argv: tuple[str, ...], i: int, word: Word, o: Option, misread: frozenset[int]
+    ) -> _Step:
+        """A flag that takes values: the values it takes, each checked."""
+        at = f"[{i}] {argv[i]!r}"
+        values, end = self._values_taken(argv, i, word, o)
+        problems = [] if values or o.nargs in ("?", "*") else [f"{at}: {word.key} needs a value"]
+        # a misread item taken as a value has had its problem said already
+        misread_values = {argv[j] for j in misread if i < j < end}
+        for v in values:
+            why = None if v in misread_values else self._value_problem(o, word.key, v)
+            if why is not None:
+                problems.append(f"{at}: {why}")
+        return _Step(end, replace(word, values=tuple(values)), tuple(problems))
+
+    def _unknown_problem(self, at: str, word: Word) -> str:
+        if word.ambiguous:
+            return (
+                f"{at}: {word.key} is ambiguous to vLLM {self.version} (it could be "
+                f"{', '.join(word.ambiguous)}); write the whole flag"
+            )
+        return f"{at}: vLLM {self.version} has no option {word.key}{self.suggest(word.key)}"
+
+    def _values_taken(self, argv: tuple[str, ...], i: int, word: Word, o: Option) -> tuple[list[str], int]:
+        """The values the flag at argv[i] takes, as argparse's nargs has it, and the index after them."""
+        if word.attached is not None:
+            return [word.attached], i + 1
+        values: list[str] = []
+        j = i + 1
+        many = o.nargs in ("+", "*")
+        while j < len(argv) and not self.looks_like_flag(argv[j]) and (many or not values):
+            values.append(argv[j])
+            j += 1
+            if o.nargs == "?":
+                break
+        return values, j
+
+    def _value_problem(self, o: Option, key: str, value: str) -> str | None:
+        why = self.check_value(o, key, value)
+        if why is None and many_optional(o) and value in ("", "None"):
+            return f"{key} reads {value!r} as null inside its list, which vLLM's config refuses"
+        return why
+
+    def _dotted_problems(self, words: Sequence[tuple[int, Word]]) -> list[str]:
+        """The dotted pieces of each JSON option folded into one object, checked as vLLM checks it
+        (named at the first piece)."""
+        dotted: dict[str, tuple[int, Option, dict[str, Any]]] = {}
+        for at, word in words:
+            if word.dotted and word.option is not None:
+                merged = dotted.setdefault(word.option.dest, (at, word.option, {}))[2]
+                _fold(merged, word.key, word.values[0])
+        problems = []
         for first, o, merged in dotted.values():
             why = self.check_value(o, o.name, json.dumps(merged))
             if why is not None:
                 problems.append(f"[{first}] {o.name} (from its dotted items): {why}")
-        return tuple(words), tuple(problems)
+        return problems
 
     def check_serve(self, argv: Sequence[str]) -> list[str]:
         """Problems vLLM would have with a whole `serve MODEL FLAGS…` argv (after `vllm`)."""
@@ -367,6 +373,37 @@ class VllmCli:
 def many_optional(o: Option) -> bool:
     """A list option whose items are optional (`None` is null to vLLM)."""
     return o.nargs in ("+", "*") and (o.type or {}).get("name") == "optional"
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One argv item read: where the next item starts, the word it is (None: none), its problems."""
+
+    end: int
+    word: Word | None = None
+    problems: tuple[str, ...] = ()
+
+
+def _stray_problem(at: str, item: str) -> str:
+    """An item where a flag should stand that is none (`"--max-num-seqs 64"` as one item is one)."""
+    if item.startswith("-") and " " in item:
+        parts = ", ".join(repr(p) for p in item.split())
+        return (
+            f"{at} is one argv item with a space in it: vLLM reads it as one unknown "
+            f"argument and exits; write it as separate items: {parts}"
+        )
+    return f"{at} is a value without a flag before it; vLLM would refuse it"
+
+
+def _read_dotted(argv: Sequence[str], i: int, word: Word, at: str) -> _Step:
+    """`--json-arg.key value` (or `=value`): one piece of a JSON option, folded at the end."""
+    text = word.attached
+    if text is None and i + 1 < len(argv):
+        text = argv[i + 1]
+    end = i + 1 if word.attached is not None else i + 2
+    if text is None:
+        return _Step(end, problems=(f"{at}: {word.key} needs a value",))
+    return _Step(end, replace(word, values=(text,)))
 
 
 def _fold(merged: dict[str, Any], key: str, text: str) -> None:

@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard_operator.core.model.quantization import UnknownQuantization, quant_scheme
+from rankguard_operator.core.model.quantization import QuantScheme, UnknownQuantization, quant_scheme
 from rankguard_operator.core.model.shape import MLA, InvalidShapeError, LayerKind, LinearAttention, ModelShape
 from rankguard_operator.core.model.vision import (
     ARCH_DEFAULTS,
@@ -191,7 +191,8 @@ def relevant_config(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def canonical_json(doc: Mapping[str, Any]) -> str:
+def canonical_json(doc: Any) -> str:
+    """Compact JSON with sorted keys: one document, one text (status, annotations, hashes)."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
@@ -238,21 +239,38 @@ _LAYER_TYPE_NAMES: dict[str, LayerKind] = {
 }
 
 
+def _listed_layer_kinds(types: Any, n: int, name: str) -> tuple[LayerKind, ...]:
+    """`layer_types` as the config lists them, one per layer."""
+    if not isinstance(types, list) or len(types) != n:
+        raise InvalidShapeError(
+            f"config.json for {name!r}: layer_types must list one type per layer ({n} layers)"
+        )
+    kinds: list[LayerKind] = []
+    for t in types:
+        if t not in _LAYER_TYPE_NAMES:
+            raise InvalidShapeError(
+                f"config.json for {name!r}: layer type {t!r} is not one of {', '.join(_LAYER_TYPE_NAMES)}"
+            )
+        kinds.append(_LAYER_TYPE_NAMES[t])
+    return tuple(kinds)
+
+
+def _llama4_layer_kinds(doc: Mapping[str, Any], n: int, name: str) -> tuple[LayerKind, ...]:
+    """Llama 4's chunked attention: the layers without RoPE attend to everything."""
+    no_rope = _int_list(doc, "no_rope_layers", name)
+    if no_rope:
+        if len(no_rope) != n:
+            raise InvalidShapeError(f"config.json for {name!r}: no_rope_layers must have {n} entries")
+        return tuple("chunked" if r else "full" for r in no_rope)
+    step = _int(doc, "no_rope_layer_interval", name, 4)
+    return tuple("full" if (i + 1) % step == 0 else "chunked" for i in range(n))
+
+
 def _layer_kinds(doc: Mapping[str, Any], model_type: str, n: int, name: str) -> tuple[LayerKind, ...]:
+    """Each layer's attention, from `layer_types` or the family's own pattern (() = all full)."""
     types = doc.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != n:
-            raise InvalidShapeError(
-                f"config.json for {name!r}: layer_types must list one type per layer ({n} layers)"
-            )
-        kinds: list[LayerKind] = []
-        for t in types:
-            if t not in _LAYER_TYPE_NAMES:
-                raise InvalidShapeError(
-                    f"config.json for {name!r}: layer type {t!r} is not one of {', '.join(_LAYER_TYPE_NAMES)}"
-                )
-            kinds.append(_LAYER_TYPE_NAMES[t])
-        return tuple(kinds)
+        return _listed_layer_kinds(types, n, name)
     window = doc.get("sliding_window")
     windowed = isinstance(window, int) and window > 0 and doc.get("use_sliding_window", True) is not False
     if model_type == "gemma2" and windowed:
@@ -261,13 +279,7 @@ def _layer_kinds(doc: Mapping[str, Any], model_type: str, n: int, name: str) -> 
         pattern = _int(doc, "sliding_window_pattern", name, 6)
         return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
     if model_type == "llama4_text" and doc.get("attention_chunk_size"):
-        no_rope = _int_list(doc, "no_rope_layers", name)
-        if no_rope:
-            if len(no_rope) != n:
-                raise InvalidShapeError(f"config.json for {name!r}: no_rope_layers must have {n} entries")
-            return tuple("chunked" if r else "full" for r in no_rope)
-        step = _int(doc, "no_rope_layer_interval", name, 4)
-        return tuple("full" if (i + 1) % step == 0 else "chunked" for i in range(n))
+        return _llama4_layer_kinds(doc, n, name)
     if model_type == "qwen3_next":
         step = _int(doc, "full_attention_interval", name, 4)
         return tuple("full" if (i + 1) % step == 0 else "linear" for i in range(n))
@@ -331,23 +343,26 @@ def _modelopt(hf_quant_config: Any) -> dict[str, Any] | None:
     return {"quant_method": "modelopt", **q} if isinstance(q, Mapping) else None
 
 
-def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
-    """Build a shape from a Hugging Face `config.json` document (already parsed). Raises
-    InvalidShapeError naming the field when the document cannot describe a model."""
-    if not isinstance(doc, Mapping):
-        raise InvalidShapeError(f"config.json must be a JSON object, got {type(doc).__name__}")
-    model_name = name or str(doc.get("_name_or_path") or doc.get("model_type") or "config.json")
-    outer_type = str(doc.get("model_type", "")).lower()
+def _architecture(doc: Mapping[str, Any], outer_type: str) -> str:
     archs = doc.get("architectures")
-    architecture = (
-        str(archs[0]) if isinstance(archs, list) and archs and isinstance(archs[0], str) else outer_type
-    )
-    text = doc.get("text_config")
+    return str(archs[0]) if isinstance(archs, list) and archs and isinstance(archs[0], str) else outer_type
+
+
+def _vision_config(doc: Mapping[str, Any], outer_type: str) -> Any:
+    """A multimodal wrapper's vision_config with its class's defaults filled in (as given when it
+    is not an object; None for a text-only model)."""
     vision = doc.get("vision_config")
     if vision is None and outer_type in VISION_TYPE:
         vision = {}  # the wrapper's config class builds its tower from the defaults
     if isinstance(vision, Mapping):
         vision = with_defaults(vision, str(vision.get("model_type") or VISION_TYPE.get(outer_type, "")))
+    return vision
+
+
+def _text_model_config(doc: Mapping[str, Any], outer_type: str, name: str) -> Mapping[str, Any]:
+    """The language model's config: a multimodal wrapper's text_config (unless the wrapper states
+    the sizes itself), with its class's defaults and what the wrapper passes down; else `doc`."""
+    text = doc.get("text_config")
     if isinstance(text, Mapping) and ("hidden_size" not in doc or "num_hidden_layers" not in doc):
         text = with_defaults(text, str(text.get("model_type") or TEXT_TYPE.get(outer_type, "")))
         # the language model reads the tie from its own (text) config; a wrapper-level value
@@ -359,76 +374,127 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
         for k in ("torch_dtype", "dtype", "quantization_config", "hf_quant_config"):
             if k not in merged and k in doc:
                 merged[k] = doc[k]
-        doc = merged
-    elif text is not None and not isinstance(text, Mapping):
-        raise InvalidShapeError(f"config.json for {model_name!r}: text_config must be an object")
+        return merged
+    if text is not None and not isinstance(text, Mapping):
+        raise InvalidShapeError(f"config.json for {name!r}: text_config must be an object")
+    return doc
+
+
+def _text_model_type(doc: Mapping[str, Any], outer_type: str) -> str:
+    """The family the language model belongs to (a wrapper's text model under its own name)."""
     model_type = str(doc.get("model_type", outer_type)).lower()
     if outer_type in TEXT_TYPE and model_type in (outer_type, ""):
         model_type = TEXT_TYPE[outer_type]
-    model_type = _TEXT_ALIASES.get(model_type, model_type)
+    return _TEXT_ALIASES.get(model_type, model_type)
 
-    n = _int(doc, "num_hidden_layers", model_name)
-    hidden = _int(doc, "hidden_size", model_name)
-    heads = _int(doc, "num_attention_heads", model_name)
-    kv_heads = _int(doc, "num_key_value_heads", model_name, heads)
+
+def _attention_sizes(doc: Mapping[str, Any], name: str) -> tuple[int, int, int, int, int]:
+    """(layers, hidden size, heads, KV heads, head_dim or 0 for hidden / heads), checked against
+    one another."""
+    n = _int(doc, "num_hidden_layers", name)
+    hidden = _int(doc, "hidden_size", name)
+    heads = _int(doc, "num_attention_heads", name)
+    kv_heads = _int(doc, "num_key_value_heads", name, heads)
     if kv_heads > heads:
         raise InvalidShapeError(
-            f"config.json for {model_name!r}: num_key_value_heads ({kv_heads}) exceeds "
+            f"config.json for {name!r}: num_key_value_heads ({kv_heads}) exceeds "
             f"num_attention_heads ({heads})"
         )
-    head_dim = _opt_int(doc, "head_dim", model_name)
+    head_dim = _opt_int(doc, "head_dim", name)
     if not head_dim and hidden % heads:
         raise InvalidShapeError(
-            f"config.json for {model_name!r}: num_attention_heads ({heads}) does not divide hidden_size "
+            f"config.json for {name!r}: num_attention_heads ({heads}) does not divide hidden_size "
             f"({hidden}) and no head_dim is given"
         )
-    mla = None
-    if doc.get("kv_lora_rank"):
-        mla = MLA(
-            kv_lora_rank=_int(doc, "kv_lora_rank", model_name),
-            qk_rope_head_dim=_int(doc, "qk_rope_head_dim", model_name),
-            qk_nope_head_dim=_int(doc, "qk_nope_head_dim", model_name),
-            v_head_dim=_int(doc, "v_head_dim", model_name),
-            q_lora_rank=_opt_int(doc, "q_lora_rank", model_name),
-        )
-    kinds = _layer_kinds(doc, model_type, n, model_name)
-    linear = None
-    if "linear" in kinds:
-        linear = LinearAttention(
-            num_key_heads=_int(doc, "linear_num_key_heads", model_name),
-            num_value_heads=_int(doc, "linear_num_value_heads", model_name),
-            key_head_dim=_int(doc, "linear_key_head_dim", model_name),
-            value_head_dim=_int(doc, "linear_value_head_dim", model_name),
-            conv_kernel=_int(doc, "linear_conv_kernel_dim", model_name),
-        )
-    moe = _moe(doc, model_type, n, model_name)
-    intermediate = moe.pop("intermediate_size", None) or _int(doc, "intermediate_size", model_name)
-    unmodelled = ""
+    return n, hidden, heads, kv_heads, head_dim
+
+
+def _mla(doc: Mapping[str, Any], name: str) -> MLA | None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), when the config has a KV LoRA rank."""
+    if not doc.get("kv_lora_rank"):
+        return None
+    return MLA(
+        kv_lora_rank=_int(doc, "kv_lora_rank", name),
+        qk_rope_head_dim=_int(doc, "qk_rope_head_dim", name),
+        qk_nope_head_dim=_int(doc, "qk_nope_head_dim", name),
+        v_head_dim=_int(doc, "v_head_dim", name),
+        q_lora_rank=_opt_int(doc, "q_lora_rank", name),
+    )
+
+
+def _linear_attention(doc: Mapping[str, Any], name: str) -> LinearAttention:
+    """The gated delta-net layers' sizes (Qwen3-Next)."""
+    return LinearAttention(
+        num_key_heads=_int(doc, "linear_num_key_heads", name),
+        num_value_heads=_int(doc, "linear_num_value_heads", name),
+        key_head_dim=_int(doc, "linear_key_head_dim", name),
+        value_head_dim=_int(doc, "linear_value_head_dim", name),
+        conv_kernel=_int(doc, "linear_conv_kernel_dim", name),
+    )
+
+
+def _unmodelled_architecture(architecture: str, outer_type: str, model_type: str) -> str:
+    """Why the planner cannot model this family (or wrapper), or ""."""
     wrapper_known = not outer_type or outer_type == model_type or outer_type in MODELLED_TYPES
-    if model_type not in MODELLED_TYPES or not wrapper_known:
-        arch = architecture or model_type or "unknown"
-        kind = outer_type if not wrapper_known else (model_type or "no model_type")
-        unmodelled = f"architecture {arch} ({kind}) is not modelled"
+    if model_type in MODELLED_TYPES and wrapper_known:
+        return ""
+    arch = architecture or model_type or "unknown"
+    kind = outer_type if not wrapper_known else (model_type or "no model_type")
+    return f"architecture {arch} ({kind}) is not modelled"
+
+
+def _quantisation(doc: Mapping[str, Any]) -> tuple[QuantScheme | None, str]:
+    """The checkpoint's quantisation, and why it is not modelled (or "")."""
     try:
         quant = quant_scheme(doc.get("quantization_config") or _modelopt(doc.get("hf_quant_config")))
     except UnknownQuantization as exc:
-        quant, unmodelled = None, unmodelled or f"the checkpoint's quantisation is not modelled: {exc}"
+        return None, f"the checkpoint's quantisation is not modelled: {exc}"
     if quant is not None and quant.method in UNMODELLED_QUANT:
-        unmodelled = unmodelled or UNMODELLED_QUANT[quant.method]
-    vision_params, vision_whole, vision_heads = 0, 0, 0
-    if isinstance(vision, Mapping):
-        tower = vision_tower(outer_type, vision, doc, hidden)
-        if tower is None:
-            unmodelled = (
-                unmodelled or "the vision tower's size is not stated in vision_config (depth, hidden_size)"
-            )
-        else:
-            vision_params, vision_whole, vision_heads = tower
+        return quant, UNMODELLED_QUANT[quant.method]
+    return quant, ""
+
+
+def _vision_figures(
+    outer_type: str, vision: Any, doc: Mapping[str, Any], hidden: int
+) -> tuple[tuple[int, int, int], str]:
+    """The vision tower's (params, replicated params, heads), and why it is not modelled (or "")."""
+    if not isinstance(vision, Mapping):
+        return (0, 0, 0), ""
+    tower = vision_tower(outer_type, vision, doc, hidden)
+    if tower is None:
+        return (0, 0, 0), "the vision tower's size is not stated in vision_config (depth, hidden_size)"
+    return tower, ""
+
+
+def _max_position(doc: Mapping[str, Any]) -> int | None:
+    max_pos = doc.get("max_position_embeddings")
+    return None if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos <= 0 else max_pos
+
+
+def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
+    """Build a shape from a Hugging Face `config.json` document (already parsed). Raises
+    InvalidShapeError naming the field when the document cannot describe a model."""
+    if not isinstance(doc, Mapping):
+        raise InvalidShapeError(f"config.json must be a JSON object, got {type(doc).__name__}")
+    model_name = name or str(doc.get("_name_or_path") or doc.get("model_type") or "config.json")
+    outer_type = str(doc.get("model_type", "")).lower()
+    architecture = _architecture(doc, outer_type)
+    vision = _vision_config(doc, outer_type)
+    doc = _text_model_config(doc, outer_type, model_name)
+    model_type = _text_model_type(doc, outer_type)
+
+    n, hidden, heads, kv_heads, head_dim = _attention_sizes(doc, model_name)
+    mla = _mla(doc, model_name)
+    kinds = _layer_kinds(doc, model_type, n, model_name)
+    linear = _linear_attention(doc, model_name) if "linear" in kinds else None
+    moe = _moe(doc, model_type, n, model_name)
+    intermediate = moe.pop("intermediate_size", None) or _int(doc, "intermediate_size", model_name)
+    arch_reason = _unmodelled_architecture(architecture, outer_type, model_type)
+    quant, quant_reason = _quantisation(doc)
+    tower, vision_reason = _vision_figures(outer_type, vision, doc, hidden)
+    vision_params, vision_whole, vision_heads = tower
     window = doc.get("sliding_window")
     dtype = doc.get("torch_dtype") or doc.get("dtype")
-    max_pos = doc.get("max_position_embeddings")
-    if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos <= 0:
-        max_pos = None
     qkv_bias = doc.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"))
     return ModelShape(
         name=model_name,
@@ -442,7 +508,7 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
         tie_word_embeddings=bool(doc.get("tie_word_embeddings", model_type.startswith("gemma"))),
         head_dim=head_dim,
         qkv_bias=bool(qkv_bias),
-        max_position_embeddings=max_pos,
+        max_position_embeddings=_max_position(doc),
         torch_dtype=str(dtype) if isinstance(dtype, str) else None,
         quant=quant,
         mla=mla,
@@ -454,6 +520,7 @@ def shape_from_hf_config(doc: Any, name: str | None = None) -> ModelShape:
         vision_replicated_params=vision_whole,
         vision_heads=vision_heads,
         architecture=architecture,
-        unmodelled=unmodelled,
+        # the first reason wins: the family, then the quantisation, then the vision tower
+        unmodelled=arch_reason or quant_reason or vision_reason,
         **moe,
     )

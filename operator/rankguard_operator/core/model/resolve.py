@@ -282,20 +282,15 @@ def _spec_shape(spec: ServiceSpec) -> ModelShape | None:
     return shape
 
 
-def resolve(
-    spec: ServiceSpec,
-    config_map: ConfigRead | None = None,
-    learned: LearnedModel | None = None,
-) -> ModelResolution:
-    """The shape to plan with and how it was found. Raises SpecError when the spec itself is
-    wrong (an explicit shape that is impossible, a split the model cannot take)."""
+def _config_doc(
+    spec: ServiceSpec, config_map: ConfigRead | None, learned: LearnedModel | None
+) -> tuple[Mapping[str, Any] | None, str, str]:
+    """The config.json to read and where it came from, or why there is none yet: (document,
+    source, problem). A ConfigMap named by the spec is the only source then, read or not; else
+    what the agent read; an explicit shape with no document is the spec's own figures."""
     m = spec.model
-    spec_shape = _spec_shape(spec)
     doc: Mapping[str, Any] | None = None
-    source = "catalog"
-    problem = ""
-    if learned is not None and learned.name and learned.name != m.name:
-        learned = None  # read for the model the spec named before: not this one's
+    source, problem = "catalog", ""
     if m.config_map is not None:
         source = "configMap"
         if config_map is None or config_map.doc is None:
@@ -308,51 +303,86 @@ def resolve(
         doc, source = learned.config_doc(), "agent"
     if m.shape:
         source = "shape" if doc is None else source
-    shape: ModelShape | None = None
-    if problem:
-        pass
-    elif doc is None and spec_shape is not None:
-        shape = spec_shape
-    elif doc is None:
+    return doc, source, problem
+
+
+def _shape_of(
+    spec: ServiceSpec, doc: Mapping[str, Any] | None, source: str, spec_shape: ModelShape | None
+) -> tuple[ModelShape | None, str, str]:
+    """The shape from the document (or the spec alone when there is none): (shape, source,
+    problem). A document that cannot be read is a problem (measure-first), not a SpecError."""
+    m = spec.model
+    if doc is None and spec_shape is not None:
+        return spec_shape, source, ""
+    if doc is None:
         problem = (
             f"model {m.name!r} is not in rankguard's catalog and no config.json has been read yet; the "
             "agent reads it from the serving pod once vLLM has fetched the model"
         )
-        source = "none"
-    else:
-        try:
-            shape = resolve_model(m.name, m.shape, hf_config=doc)
-        except ModelError as exc:
-            shape, problem = None, f"the model's config.json (from {source}) cannot be read: {exc}"
-    if shape is not None:
-        check_split(shape, spec.tp, spec.pp)
-        if spec.model.quantization is not None and shape.quant is not None:
-            raise SpecError(
-                f"spec.model.quantization is {spec.model.quantization!r} but the checkpoint is already "
-                f"quantised ({shape.quant.describe()}); remove spec.model.quantization"
-            )
-    reason = problem or (shape.unmodelled if shape else "") or _unmodelled_options(spec)
-    checkpoint = None
-    if shape is not None and learned is not None and learned.checkpoint_doc() is not None:
-        try:
-            parse_summary(learned.checkpoint_doc(), shape.num_layers)
-            checkpoint = learned.checkpoint_doc()
-        except CheckpointError:
-            checkpoint = None
+        return None, "none", problem
+    try:
+        return resolve_model(m.name, m.shape, hf_config=doc), source, ""
+    except ModelError as exc:
+        return None, source, f"the model's config.json (from {source}) cannot be read: {exc}"
+
+
+def _check_against_spec(shape: ModelShape, spec: ServiceSpec) -> None:
+    """The spec's own mistakes about this model: a split it cannot take, a runtime quantisation
+    on top of a quantised checkpoint (SpecError)."""
+    check_split(shape, spec.tp, spec.pp)
+    if spec.model.quantization is not None and shape.quant is not None:
+        raise SpecError(
+            f"spec.model.quantization is {spec.model.quantization!r} but the checkpoint is already "
+            f"quantised ({shape.quant.describe()}); remove spec.model.quantization"
+        )
+
+
+def _fitting_checkpoint(shape: ModelShape | None, learned: LearnedModel | None) -> Any:
+    """The agent's header summary when it fits the shape (else None: weights from config.json)."""
+    if shape is None or learned is None or learned.checkpoint_doc() is None:
+        return None
+    try:
+        parse_summary(learned.checkpoint_doc(), shape.num_layers)
+    except CheckpointError:
+        return None
+    return learned.checkpoint_doc()
+
+
+def _resolution_message(reason: str, shape: ModelShape | None, source: str, checkpoint: Any) -> str:
+    """The ModelResolved condition's message: why measure-first, or where the plan's figures come from."""
     if reason:
-        message = (
+        return (
             f"{reason}; measure-first: vLLM profiles the model at a bounded gpu-memory-utilization and "
             "the per-GPU budget follows from its per-worker memory report and the agents' GPU figures"
         )
-    else:
-        assert shape is not None
-        weights = "the checkpoint's headers" if checkpoint is not None else "config.json arithmetic"
-        message = f"planned from the {source} shape ({shape.architecture or 'dense'}); weights from {weights}"
+    assert shape is not None
+    weights = "the checkpoint's headers" if checkpoint is not None else "config.json arithmetic"
+    return f"planned from the {source} shape ({shape.architecture or 'dense'}); weights from {weights}"
+
+
+def resolve(
+    spec: ServiceSpec,
+    config_map: ConfigRead | None = None,
+    learned: LearnedModel | None = None,
+) -> ModelResolution:
+    """The shape to plan with and how it was found. Raises SpecError when the spec itself is
+    wrong (an explicit shape that is impossible, a split the model cannot take)."""
+    spec_shape = _spec_shape(spec)
+    if learned is not None and learned.name and learned.name != spec.model.name:
+        learned = None  # read for the model the spec named before: not this one's
+    doc, source, problem = _config_doc(spec, config_map, learned)
+    shape: ModelShape | None = None
+    if not problem:
+        shape, source, problem = _shape_of(spec, doc, source, spec_shape)
+    if shape is not None:
+        _check_against_spec(shape, spec)
+    reason = problem or (shape.unmodelled if shape else "") or _unmodelled_options(spec)
+    checkpoint = _fitting_checkpoint(shape, learned)
     return ModelResolution(
         shape=shape,
         source=source,
         reason=reason,
-        message=message,
+        message=_resolution_message(reason, shape, source, checkpoint),
         checkpoint=checkpoint,
         spec_shape=spec_shape,
     )

@@ -154,31 +154,54 @@ def _worse(a: RankHeadroom | None, b: RankHeadroom) -> RankHeadroom:
     return min(a, b, key=lambda r: (r.min_free_bytes, r.pod))
 
 
+# One pod's report as aggregate reads it: (pod name, report, why it is stale; None when fresh)
+_Read = tuple[str, Report, str | None]
+
+
 def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) -> Observation:
     """Aggregate reports from the pods of one LLMService (one report per pod)."""
+    read: list[_Read] = [
+        (pod, report, _staleness(report, now - received_at, stale_after))
+        for pod, report, received_at in sorted(reports, key=lambda x: x[0])
+    ]
+    fresh = [report for _pod, report, why in read if why is None]
+    versions = [r.engine_version for r in fresh if r.engine_version]
+    return Observation(
+        now=now,
+        ranks=_worst_ranks(read),
+        fresh_pods=tuple(pod for pod, _report, why in read if why is None),
+        stale_pods=tuple(pod for pod, _report, why in read if why is not None),
+        measurements=_probe_measurements(fresh),
+        kv_cache_bytes=_lowest_kv_cache(fresh),
+        # pods of one template run one image: the lowest version reported, for determinism
+        engine_version=min(versions) if versions else None,
+        unparsed_lines=_unparsed_lines(fresh),
+        notes=tuple(note for pod, report, why in read for note in _notes(pod, report, why)),
+    )
+
+
+def _staleness(report: Report, age: float, stale_after: float) -> str | None:
+    """Why a pod's report may not be used for a decision; None when it may."""
+    if age > stale_after:
+        return f"report is {age:.0f}s old (limit {stale_after:g}s)"
+    if not report.sampler_ok:
+        return "the agent's sampler is not healthy"
+    return None
+
+
+def _notes(pod: str, report: Report, why_stale: str | None) -> list[str]:
+    """Why data of one pod was excluded: the whole report, or (a fresh one) its lost ranks."""
+    if why_stale is not None:
+        return [f"{pod}: {why_stale}"]
+    return [f"{pod}: rank {s.rank}: {s.error}" for s in report.ranks if s.error is not None]
+
+
+def _worst_ranks(read: Sequence[_Read]) -> tuple[RankHeadroom, ...]:
+    """Each rank's worst replica: from fresh samples, or (a rank with none) from stale ones, marked."""
     fresh: dict[int, RankHeadroom] = {}
     stale: dict[int, RankHeadroom] = {}
-    fresh_pods: list[str] = []
-    stale_pods: list[str] = []
-    probe_free: dict[int, tuple[int, int | None]] = {}
-    kv_seen: list[int] = []
-    versions: list[str] = []
-    unparsed: dict[str, int] = {}
-    notes: list[str] = []
-    for pod, report, received_at in sorted(reports, key=lambda x: x[0]):
-        age = now - received_at
-        too_old = age > stale_after
-        if too_old:
-            notes.append(f"{pod}: report is {age:.0f}s old (limit {stale_after:g}s)")
-        elif not report.sampler_ok:
-            notes.append(f"{pod}: the agent's sampler is not healthy")
-        pod_fresh = not too_old and report.sampler_ok
-        (fresh_pods if pod_fresh else stale_pods).append(pod)
-        totals: dict[int, int] = {}
+    for pod, report, why in read:
         for s in report.ranks:
-            usable = pod_fresh and s.error is None
-            if pod_fresh and s.error is not None:
-                notes.append(f"{pod}: rank {s.rank}: {s.error}")
             row = RankHeadroom(
                 rank=s.rank,
                 uuid=s.uuid,
@@ -186,51 +209,52 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
                 total_bytes=s.total_bytes,
                 free_bytes=s.free_bytes,
                 min_free_bytes=s.min_free_bytes,
-                stale=not usable,
+                stale=why is not None or s.error is not None,
                 error=s.error,
                 engine=engine_figures(s.engine_memory),
                 engine_free_at_start=_free_at_start(s.engine_memory, s.total_bytes),
             )
-            if usable:
-                fresh[s.rank] = _worse(fresh.get(s.rank), row)
-                totals[s.rank] = s.total_bytes
-            else:
-                stale[s.rank] = _worse(stale.get(s.rank), row)
-        if not pod_fresh:
-            continue
-        if report.engine_version:
-            versions.append(report.engine_version)
-        for kind, n in report.unparsed_lines.items():
-            unparsed[kind] = unparsed.get(kind, 0) + n
-        if report.probe is not None and report.probe.ok:
-            for p in report.probe.ranks:
-                if p.error is not None:
-                    continue
-                prev = probe_free.get(p.rank)
-                if prev is None or p.free_after_bytes < prev[0]:
-                    probe_free[p.rank] = (p.free_after_bytes, totals.get(p.rank))
-        for line in report.kv_lines:
-            if line.kind == AVAILABLE_KV and line.value > 0:
-                kv_seen.append(int(line.value))
+            worst = stale if row.stale else fresh
+            worst[s.rank] = _worse(worst.get(s.rank), row)
     rows = [fresh[r] for r in sorted(fresh)] + [stale[r] for r in sorted(stale) if r not in fresh]
-    measurements = tuple(
+    return tuple(sorted(rows, key=lambda r: r.rank))
+
+
+def _probe_measurements(fresh: Sequence[Report]) -> tuple[RankMeasurement, ...]:
+    """The probe's free memory after CUDA/NCCL init, worst replica per rank, ok probes only,
+    with the device total of the rank's fresh sample in the same report."""
+    probe_free: dict[int, tuple[int, int | None]] = {}
+    for report in fresh:
+        if report.probe is None or not report.probe.ok:
+            continue
+        totals = {s.rank: s.total_bytes for s in report.ranks if s.error is None}
+        for p in report.probe.ranks:
+            prev = probe_free.get(p.rank)
+            if p.error is None and (prev is None or p.free_after_bytes < prev[0]):
+                probe_free[p.rank] = (p.free_after_bytes, totals.get(p.rank))
+    return tuple(
         RankMeasurement(rank=r, total_bytes=total, free_after_init_bytes=free)
         for r, (free, total) in sorted(probe_free.items())
         # a probe figure above the device's total is garbage; the planner would refuse it
         if total is None or free <= total
     )
-    return Observation(
-        now=now,
-        ranks=tuple(sorted(rows, key=lambda r: r.rank)),
-        fresh_pods=tuple(fresh_pods),
-        stale_pods=tuple(stale_pods),
-        measurements=measurements,
-        kv_cache_bytes=min(kv_seen) if kv_seen else None,
-        # pods of one template run one image: the lowest version reported, for determinism
-        engine_version=min(versions) if versions else None,
-        unparsed_lines=unparsed,
-        notes=tuple(notes),
-    )
+
+
+def _lowest_kv_cache(fresh: Sequence[Report]) -> int | None:
+    """vLLM's "Available KV cache memory" as the engines printed it: the lowest over fresh pods."""
+    seen = [
+        int(line.value) for r in fresh for line in r.kv_lines if line.kind == AVAILABLE_KV and line.value > 0
+    ]
+    return min(seen) if seen else None
+
+
+def _unparsed_lines(fresh: Sequence[Report]) -> dict[str, int]:
+    """The engine lines the agents saw but could not read, by kind, summed over fresh pods."""
+    unparsed: dict[str, int] = {}
+    for report in fresh:
+        for kind, n in report.unparsed_lines.items():
+            unparsed[kind] = unparsed.get(kind, 0) + n
+    return unparsed
 
 
 def gpu_totals(

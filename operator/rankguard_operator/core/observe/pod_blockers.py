@@ -1,6 +1,8 @@
 """Why a service's pods do not start when the scheduler is not the reason (that one is
 `observe.blockers`): each cause Kubernetes reports, as a class with its own Degraded reason,
 Kubernetes' own words (bounded, whitespace folded), the object named, and what to change.
+(Over 450 lines because every cause is read against one table, its reason, grace and hint, and
+one verdict orders them: split, the table and the readers would drift apart.)
 
 =======================  ==============================================================  =====
 Degraded reason          what Kubernetes shows                                           grace
@@ -259,37 +261,62 @@ def _container_specs(pod: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {str(c.get("name")): c for c in every if isinstance(c, Mapping)}
 
 
+def _waiting_verdict(waiting: Mapping[str, Any], subject: str, name: str) -> Stuck | None:
+    """A container that cannot be made: its config (a missing Secret, ConfigMap or key) or its image."""
+    reason = str(waiting.get("reason") or "")
+    if reason in CONFIG_WAITING:
+        return _stuck(POD_CONFIG_ERROR, subject, _said(reason, waiting.get("message")), name)
+    if reason in IMAGE_WAITING:
+        return _stuck(IMAGE_PULL_FAILED, subject, _said(reason, waiting.get("message")), name)
+    return None
+
+
 def _init_verdict(pod: Mapping[str, Any], name: str) -> Stuck | None:
+    """The first init container that blocks the pod, in the order the kubelet runs them."""
     specs = _container_specs(pod)
     for cs in get_path(pod, "status", "initContainerStatuses") or []:
-        c = str(cs.get("name") or "")
-        subject = f"pod {name}, init container {c}"
-        state = cs.get("state") or {}
-        waiting = state.get("waiting") or {}
-        reason = str(waiting.get("reason") or "")
-        if reason in CONFIG_WAITING:
-            return _stuck(POD_CONFIG_ERROR, subject, _said(reason, waiting.get("message")), name)
-        if reason in IMAGE_WAITING:
-            return _stuck(IMAGE_PULL_FAILED, subject, _said(reason, waiting.get("message")), name)
-        native_sidecar = (specs.get(c) or {}).get("restartPolicy") == "Always"
-        last = (cs.get("lastState") or {}).get("terminated") or {}
-        ended = state.get("terminated") or {}
-        if ended.get("exitCode") == 0:
-            continue  # done (the agent installer's every start; or a retry that succeeded)
-        failed = ended if ended.get("exitCode") is not None else last if last.get("exitCode") else {}
-        if native_sidecar:
-            if reason == "CrashLoopBackOff" or ("running" in state and cs.get("ready") is not True):
-                return _sidecar(pod, name, cs, specs.get(c) or {}, init=True)
-            continue
-        # (a failed one that runs again is still failing: its runs last a second, its back-offs
-        # a few, and a verdict that flickered with them would never outlast its grace)
-        if reason == "CrashLoopBackOff" or failed:
-            said = f"{_terminated_text(failed)}" if failed else _said(reason, waiting.get("message"))
-            if reason == "CrashLoopBackOff" and failed:
-                said = f"CrashLoopBackOff, last run: {said}"
-            return _stuck(INIT_CONTAINER_FAILED, subject, said, name)
-        # (an init container running its first run: nothing to say)
+        stuck = _one_init_verdict(pod, name, cs, specs.get(str(cs.get("name") or "")) or {})
+        if stuck is not None:
+            return stuck
     return None
+
+
+def _one_init_verdict(
+    pod: Mapping[str, Any], name: str, cs: Mapping[str, Any], spec: Mapping[str, Any]
+) -> Stuck | None:
+    c = str(cs.get("name") or "")
+    subject = f"pod {name}, init container {c}"
+    state = cs.get("state") or {}
+    waiting = state.get("waiting") or {}
+    stuck = _waiting_verdict(waiting, subject, name)
+    if stuck is not None:
+        return stuck
+    if (state.get("terminated") or {}).get("exitCode") == 0:
+        return None  # done (the agent installer's every start; or a retry that succeeded)
+    if spec.get("restartPolicy") == "Always":  # a native sidecar: it runs beside the containers
+        crashing = waiting.get("reason") == "CrashLoopBackOff"
+        if crashing or ("running" in state and cs.get("ready") is not True):
+            return _sidecar(pod, name, cs, spec, init=True)
+        return None
+    return _init_failed(cs, subject, name)
+
+
+def _init_failed(cs: Mapping[str, Any], subject: str, name: str) -> Stuck | None:
+    """An init container that ended non-zero or crash-loops; None while it runs its first run.
+    (A failed one that runs again is still failing: its runs last a second, its back-offs a
+    few, and a verdict that flickered with them would never outlast its grace.)"""
+    state = cs.get("state") or {}
+    waiting = state.get("waiting") or {}
+    reason = str(waiting.get("reason") or "")
+    ended = state.get("terminated") or {}
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    failed = ended if ended.get("exitCode") is not None else last if last.get("exitCode") else {}
+    if reason != "CrashLoopBackOff" and not failed:
+        return None
+    said = f"{_terminated_text(failed)}" if failed else _said(reason, waiting.get("message"))
+    if reason == "CrashLoopBackOff" and failed:
+        said = f"CrashLoopBackOff, last run: {said}"
+    return _stuck(INIT_CONTAINER_FAILED, subject, said, name)
 
 
 def _sidecar(
@@ -303,7 +330,12 @@ def _sidecar(
         said = "CrashLoopBackOff" + (f", last run: {_terminated_text(last)}" if last else "")
         return _stuck(SIDECAR_NOT_READY, f"pod {name}, {kind} {c}", said, name)
     ready: Mapping[str, Any] = next(
-        (x for x in get_path(pod, "status", "conditions") or [] if x.get("type") == "ContainersReady"), {}
+        (
+            x
+            for x in get_path(pod, "status", "conditions") or []
+            if isinstance(x, Mapping) and x.get("type") == "ContainersReady"
+        ),
+        {},
     )
     said = _said("not Ready", ready.get("message") or f"containers with unready status: [{c}]")
     return Stuck(SIDECAR_NOT_READY, f"pod {name}, {kind} {c}", said, _readiness_grace(spec), name)
@@ -321,35 +353,53 @@ def pod_verdict(
     if get_path(pod, "status", "phase") in ("Succeeded", "Failed"):
         return None
     if not get_path(pod, "spec", "nodeName"):
-        conditions = get_path(pod, "status", "conditions") or []
-        answered = any(c.get("type") == "PodScheduled" for c in conditions if isinstance(c, Mapping))
-        # (a pod with container statuses has been on a node, whatever the copy at hand omits)
-        if not answered and not get_path(pod, "status", "containerStatuses"):
-            scheduler = str(get_path(pod, "spec", "schedulerName") or "default-scheduler")
-            said = (
-                f'no scheduler has answered: spec.schedulerName "{bounded(scheduler, 253)}" is served by none'
-            )
-            return _stuck(NO_SCHEDULER, f"pod {name}", said, name)
-        return None  # PodScheduled False is the scheduler's own verdict (observe.blockers)
-    stuck = _init_verdict(pod, name)
-    if stuck is not None:
-        return stuck
-    specs = _container_specs(pod)
+        return _unscheduled_verdict(pod, name)
+    # the first cause in the order a pod starts: init containers, containers made, volumes, sidecars
+    return (
+        _init_verdict(pod, name)
+        or _containers_waiting_verdict(pod, name)
+        or _mount_verdict(pod, name, events, now)
+        or _sidecars_verdict(pod, name)
+    )
+
+
+def _unscheduled_verdict(pod: Mapping[str, Any], name: str) -> Stuck | None:
+    """A pod on no node: NoScheduler when no scheduler has answered it at all."""
+    conditions = get_path(pod, "status", "conditions") or []
+    answered = any(c.get("type") == "PodScheduled" for c in conditions if isinstance(c, Mapping))
+    # (a pod with container statuses has been on a node, whatever the copy at hand omits)
+    if not answered and not get_path(pod, "status", "containerStatuses"):
+        scheduler = str(get_path(pod, "spec", "schedulerName") or "default-scheduler")
+        said = f'no scheduler has answered: spec.schedulerName "{bounded(scheduler, 253)}" is served by none'
+        return _stuck(NO_SCHEDULER, f"pod {name}", said, name)
+    return None  # PodScheduled False is the scheduler's own verdict (observe.blockers)
+
+
+def _containers_waiting_verdict(pod: Mapping[str, Any], name: str) -> Stuck | None:
     for cs in get_path(pod, "status", "containerStatuses") or []:
         c = str(cs.get("name") or "")
         waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = str(waiting.get("reason") or "")
-        subject = f"pod {name}, container {c}"
-        if reason in CONFIG_WAITING:
-            return _stuck(POD_CONFIG_ERROR, subject, _said(reason, waiting.get("message")), name)
-        if reason in IMAGE_WAITING:
-            return _stuck(IMAGE_PULL_FAILED, subject, _said(reason, waiting.get("message")), name)
+        stuck = _waiting_verdict(waiting, f"pod {name}, container {c}", name)
+        if stuck is not None:
+            return stuck
+    return None
+
+
+def _mount_verdict(
+    pod: Mapping[str, Any], name: str, events: Sequence[Mapping[str, Any]], now: float
+) -> Stuck | None:
+    """A volume the kubelet cannot mount: it says so only in an Event, while nothing has run."""
     mount = _events(events, MOUNT_EVENTS, now) if _nothing_ran(pod) else None
-    if mount is not None:
-        count = mount.get("count")
-        times = f" ({count} times)" if isinstance(count, int) and count > 1 else ""
-        said = _said(str(mount.get("reason")), mount.get("message")) + times
-        return _stuck(VOLUME_MOUNT_FAILED, f"pod {name}", said, name)
+    if mount is None:
+        return None
+    count = mount.get("count")
+    times = f" ({count} times)" if isinstance(count, int) and count > 1 else ""
+    said = _said(str(mount.get("reason")), mount.get("message")) + times
+    return _stuck(VOLUME_MOUNT_FAILED, f"pod {name}", said, name)
+
+
+def _sidecars_verdict(pod: Mapping[str, Any], name: str) -> Stuck | None:
+    specs = _container_specs(pod)
     for cs in get_path(pod, "status", "containerStatuses") or []:
         c = str(cs.get("name") or "")
         if c == VLLM_CONTAINER:

@@ -37,7 +37,9 @@ KV_CACHE_TOO_SMALL: TerminationKind = "KVCacheTooSmall"
 OOM_KILLED: TerminationKind = "OOMKilled"
 ENGINE_ERROR: TerminationKind = "EngineError"
 OTHER: TerminationKind = "Other"
-MEMORY_KINDS: tuple[str, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED)
+# A run that failed, for memory (the GPU's, the KV cache's, the container's) or in the engine:
+# what the flags it ran under can be blamed for. `Other` is a stop (a rollout, a scale-down).
+FAILURE_KINDS: tuple[TerminationKind, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED, ENGINE_ERROR)
 
 # Exit codes of a process stopped by SIGINT/SIGTERM (128 + signal): a normal rollout or
 # scale-down stopping the pod, never an engine failure.

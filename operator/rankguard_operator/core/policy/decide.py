@@ -7,10 +7,8 @@ from dataclasses import replace
 
 from rankguard_operator.core.budget.bounds import budget_key
 from rankguard_operator.core.observe.pods import (
-    CUDA_OOM,
     ENGINE_ERROR,
-    KV_CACHE_TOO_SMALL,
-    OOM_KILLED,
+    FAILURE_KINDS,
     Termination,
 )
 from rankguard_operator.core.policy.crash_rules import (
@@ -105,14 +103,13 @@ def decide(inp: PolicyInput) -> Decision:
 
     superseded_keys = [t.key for t in inp.new_terminations if superseded(t, cur)]
     rel = [t for t in inp.new_terminations if not superseded(t, cur)]
-    actionable_kinds = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED, ENGINE_ERROR)
     # Normal stops (rollouts, scale-down) are only recorded as seen, and so are engine errors
     # that no rollback can fix (nothing changed since the flags were known good, or the error
     # came before the latest change).
     ignorable = [
         t.key
         for t in rel
-        if t.kind not in actionable_kinds or (t.kind == ENGINE_ERROR and not engine_error_actionable(inp, t))
+        if t.kind not in FAILURE_KINDS or (t.kind == ENGINE_ERROR and not engine_error_actionable(inp, t))
     ]
 
     decision: Decision | None = None

@@ -7,10 +7,7 @@ from collections.abc import Sequence
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import (
-    CUDA_OOM,
-    ENGINE_ERROR,
-    KV_CACHE_TOO_SMALL,
-    OOM_KILLED,
+    FAILURE_KINDS,
     RolloutState,
     Termination,
 )
@@ -105,8 +102,6 @@ def next_last_known_good(
     if b is None or b.min_free_bytes < spec.memory.min_headroom_bytes:
         return prev
     for t in terminations:
-        if t.kind in (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED, ENGINE_ERROR) and (
-            t.flags is None or t.flags == current
-        ):
+        if t.kind in FAILURE_KINDS and (t.flags is None or t.flags == current):
             return prev
     return current

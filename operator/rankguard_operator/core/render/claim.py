@@ -7,7 +7,7 @@ roll would wait for it forever. A claim you keep yourself (claimName, no LLMServ
 may be shared by any number of services. A claim being deleted (Terminating: kept only while a
 pod mounts it) makes ModelCacheReady False, and it turns True again once a bound claim is back.
 
-The edge reads the claim every pass (`step.surroundings.reads` says which; None when it does not exist)
+The edge reads the claim every pass (`core.step.needs` says which; None when it does not exist)
 and carries out `ApplyClaim` before the Deployment's apply, so the first pod finds its claim.
 A claim's spec is mostly immutable: a change the API server refuses goes the executor's
 ApplyRefused way (Degraded with the server's message, retried each pass), never a crash loop.

@@ -26,6 +26,7 @@ from typing import Any
 
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.model.hf_config import canonical_json
 from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
@@ -39,7 +40,6 @@ from rankguard_operator.core.names import (
 )
 from rankguard_operator.core.render.pod import (
     STARTUP_PROBE_PERIOD_SECONDS,
-    canonical_json,
     pod_spec,
     startup_failures,
 )

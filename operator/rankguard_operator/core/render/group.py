@@ -33,6 +33,7 @@ from typing import Any
 
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.model.hf_config import canonical_json
 from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.names import (
     FLAGS_ANNOTATION,
@@ -53,7 +54,7 @@ from rankguard_operator.core.render.leader_worker_set import (
     WORKER_INDEX_LABEL,
     render_leader_worker_set,
 )
-from rankguard_operator.core.render.pod import GroupNode, canonical_json, pod_spec
+from rankguard_operator.core.render.pod import GroupNode, pod_spec
 from rankguard_operator.core.spec.distributed import DistributedSpec
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.spec.template import apply_template

@@ -44,11 +44,10 @@ Pure: no I/O.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard_operator.core.names import NODE_RANK_ENV, owner_reference, service_name
+from rankguard_operator.core.names import NODE_RANK_ENV, owner_reference, service_name, with_hash
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
@@ -81,7 +80,6 @@ MASTER_ADDR_ARG = f"$({LEADER_ADDRESS_ENV})"
 # `<lws>-<group>` is also the group's headless Service. With groups numbered up to 4 digits:
 # 63 - len("-9999") - len("-") - 10 = 47.
 MAX_LWS_NAME = 47
-_HASH_CHARS = 8
 
 
 def lws_name(name: str) -> str:
@@ -90,8 +88,7 @@ def lws_name(name: str) -> str:
     base = service_name(name)
     if len(base) <= MAX_LWS_NAME:
         return base
-    head = base[: MAX_LWS_NAME - _HASH_CHARS - 1].rstrip("-")
-    return f"{head}-{hashlib.sha256(name.encode()).hexdigest()[:_HASH_CHARS]}"
+    return with_hash(base, MAX_LWS_NAME, name)
 
 
 def node_rank_env() -> dict[str, Any]:

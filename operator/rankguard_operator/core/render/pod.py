@@ -27,7 +27,6 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -425,7 +424,3 @@ def _cache_volumes(name: str, spec: ServiceSpec) -> list[dict[str, Any]]:
     if spec.model_cache is None:
         return []
     return [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": spec.model_cache.claim(name)}}]
-
-
-def canonical_json(doc: Any) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

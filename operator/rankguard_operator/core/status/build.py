@@ -204,6 +204,11 @@ def append_history(
 # The whole status
 
 
+# One condition as this pass says it: (status, reason, message)
+_Said = tuple[str, str, str]
+_NOT_DEGRADED: _Said = ("False", "AsExpected", "rankguard has nothing it cannot fix")
+
+
 def _conditions(
     old: Sequence[Mapping[str, Any]],
     *,
@@ -217,93 +222,108 @@ def _conditions(
     last: Remediation | None,
     blocker: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    conds = [dict(c) for c in old]
-
-    def put(type_: Condition, status: str, reason: str, message: str) -> None:
-        nonlocal conds
-        conds = set_condition(conds, type_, status, reason, message, now_iso, generation)
-
-    want = spec.replicas
     rolled = rollout is not None and rollout.complete
-    ready = ready_replicas >= want and (rollout is None or rolled)
+    ready = ready_replicas >= spec.replicas and (rollout is None or rolled)
+    degraded = _degraded(
+        old, generation, flags=flags, decision=decision, last=last, blocker=blocker, ready=ready
+    )
+    said: tuple[tuple[Condition, _Said | None], ...] = (
+        (Condition.READY, _ready(ready, ready_replicas, spec.replicas)),
+        (Condition.PROGRESSING, _progressing(rollout)),
+        (Condition.REMEDIATING, _remediating(decision, last, flags, rolled)),
+        (Condition.DEGRADED, degraded),
+        (Condition.BUDGET_PLANNED, _budget_planned(flags)),
+    )
+    conds = [dict(c) for c in old]
+    for type_, condition_said in said:
+        if condition_said is not None:  # None: kept as written
+            conds = set_condition(conds, type_, *condition_said, now_iso, generation)
+    return conds
+
+
+def _ready(ready: bool, ready_replicas: int, want: int) -> _Said:
     if ready:
-        put(Condition.READY, "True", "ReplicasReady", f"{ready_replicas}/{want} replicas ready")
-    else:
-        put(Condition.READY, "False", "ReplicasNotReady", f"{ready_replicas}/{want} replicas ready")
+        return ("True", "ReplicasReady", f"{ready_replicas}/{want} replicas ready")
+    return ("False", "ReplicasNotReady", f"{ready_replicas}/{want} replicas ready")
 
-    if rollout is None or rollout.phase == "unknown":
-        put(
-            Condition.PROGRESSING,
-            "Unknown",
-            rollout.reason if rollout else "NoDeployment",
-            rollout.message if rollout else "",
-        )
-    elif rollout.phase == "progressing":
-        put(Condition.PROGRESSING, "True", "RollingOut", rollout.message)
-    elif rollout.phase == "failed":
-        put(Condition.PROGRESSING, "False", rollout.reason, rollout.message)
-    else:
-        put(Condition.PROGRESSING, "False", "RolloutComplete", "every replica runs the current flags")
 
-    # Remediating: a change rankguard made is rolling out (or was just decided).
-    acting = decision is not None and decision.is_remediation
-    rolling_last = last is not None and flags is not None and last.to_flags == flags and not rolled
-    if acting and decision is not None:
-        put(Condition.REMEDIATING, "True", decision.reason, decision.message)
-    elif rolling_last and last is not None:
-        put(
-            Condition.REMEDIATING,
-            "True",
-            "RollingOut",
-            f"rolling out {last.to_flags.describe()} ({last.trigger})",
-        )
-    else:
-        put(Condition.REMEDIATING, "False", "Idle", "no automatic change in progress")
+def _progressing(rollout: RolloutState | None) -> _Said:
+    if rollout is None:
+        return ("Unknown", "NoDeployment", "")
+    if rollout.phase == "unknown":
+        return ("Unknown", rollout.reason, rollout.message)
+    if rollout.phase == "progressing":
+        return ("True", "RollingOut", rollout.message)
+    if rollout.phase == "failed":
+        return ("False", rollout.reason, rollout.message)
+    return ("False", "RolloutComplete", "every replica runs the current flags")
 
-    # Degraded sticks until the service is ready on a completed rollout: a crash-looping
-    # service alternates between "degrade" (a new crash) and "none" (between crashes).
-    old_degraded = condition(old, Condition.DEGRADED) or {}
-    old_true = old_degraded.get("status") == "True"
-    old_reason = str(old_degraded.get("reason") or "")
+
+def _remediating(
+    decision: Decision | None, last: Remediation | None, flags: ServingFlags | None, rolled: bool
+) -> _Said:
+    """Remediating: a change rankguard made is rolling out (or was just decided)."""
+    if decision is not None and decision.is_remediation:
+        return ("True", decision.reason, decision.message)
+    if last is not None and flags is not None and last.to_flags == flags and not rolled:
+        return ("True", "RollingOut", f"rolling out {last.to_flags.describe()} ({last.trigger})")
+    return ("False", "Idle", "no automatic change in progress")
+
+
+def _degraded(
+    old: Sequence[Mapping[str, Any]],
+    generation: int,
+    *,
+    flags: ServingFlags | None,
+    decision: Decision | None,
+    last: Remediation | None,
+    blocker: tuple[str, str] | None,
+    ready: bool,
+) -> _Said | None:
+    """Degraded as this pass says it (None: kept as written). This pass's decision first; then a
+    rollback; then what blocks the service now; then what the old condition said."""
+    if decision is not None and decision.action in ("degrade", "hold"):
+        return ("True", decision.reason, decision.message)
     # After a rollback the service runs, but not as asked: it stays Degraded, with the reason,
     # until another change is made (by rankguard or by a person through the spec).
-    rolled_back = last is not None and last.action == "rollback" and flags == last.to_flags
-    if decision is not None and decision.action in ("degrade", "hold"):
-        put(Condition.DEGRADED, "True", decision.reason, decision.message)
-    elif rolled_back and last is not None:
-        put(
-            Condition.DEGRADED,
+    if last is not None and last.action == "rollback" and flags == last.to_flags:
+        return (
             "True",
             "RolledBack",
             f"{last.message}. The service runs the last known good flags; fix the cause (see the "
             "pods' events and logs) or change the spec to try again.",
         )
-    elif blocker is not None:
-        put(Condition.DEGRADED, "True", *blocker)
-    elif old_true and old_reason in STICKY_REASONS:
+    if blocker is not None:
+        return ("True", *blocker)
+    return _degraded_carried(condition(old, Condition.DEGRADED) or {}, generation, decision, ready)
+
+
+def _degraded_carried(
+    old_degraded: Mapping[str, Any], generation: int, decision: Decision | None, ready: bool
+) -> _Said | None:
+    """The last pass's Degraded when this pass has nothing new to say: it sticks until the
+    service is ready on a completed rollout (a crash-looping service alternates between
+    "degrade", a new crash, and "none", between crashes), a sticky reason until the flags or
+    the spec change, an observed one not at all (it went when its cause went)."""
+    old_true = old_degraded.get("status") == "True"
+    old_reason = str(old_degraded.get("reason") or "")
+    if old_true and old_reason in STICKY_REASONS:
         changed = (decision is not None and decision.changes_flags) or (
             old_degraded.get("observedGeneration") != generation
         )
-        if changed:
-            put(Condition.DEGRADED, "False", "AsExpected", "rankguard has nothing it cannot fix")
-        # else: kept as written (the generation it was written for marks the spec it is about)
-    elif old_true and old_reason not in OBSERVED_REASONS and not ready:
-        put(Condition.DEGRADED, "True", old_reason or "Degraded", str(old_degraded.get("message") or ""))
-    else:
-        put(Condition.DEGRADED, "False", "AsExpected", "rankguard has nothing it cannot fix")
+        # unchanged: kept as written (the generation it was written for marks the spec it is about)
+        return _NOT_DEGRADED if changed else None
+    if old_true and old_reason not in OBSERVED_REASONS and not ready:
+        return ("True", old_reason or "Degraded", str(old_degraded.get("message") or ""))
+    return _NOT_DEGRADED
 
-    if flags is not None and flags.kv_cache_memory_bytes is not None:
-        put(Condition.BUDGET_PLANNED, "True", "ExplicitBudget", f"per-GPU KV budget {flags.budget_text()}")
-    elif flags is not None:
-        put(
-            Condition.BUDGET_PLANNED,
-            "False",
-            "Utilization",
-            f"running {flags.describe()} until a budget is known",
-        )
-    else:
-        put(Condition.BUDGET_PLANNED, "Unknown", "NotRendered", "no flags rendered yet")
-    return conds
+
+def _budget_planned(flags: ServingFlags | None) -> _Said:
+    if flags is None:
+        return ("Unknown", "NotRendered", "no flags rendered yet")
+    if flags.kv_cache_memory_bytes is not None:
+        return ("True", "ExplicitBudget", f"per-GPU KV budget {flags.budget_text()}")
+    return ("False", "Utilization", f"running {flags.describe()} until a budget is known")
 
 
 def build_status(

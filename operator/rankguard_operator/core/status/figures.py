@@ -18,7 +18,9 @@ from rankguard_operator.core.conditions import Condition, Phase
 from rankguard_operator.core.observe.pods import CUDA_OOM, OOM_KILLED, Termination
 from rankguard_operator.core.spec.parse import ServiceSpec
 
-MEMORY_KINDS = (CUDA_OOM, OOM_KILLED)
+# A run that ran out of memory (the GPU's, the container's): rankguard_operator_ooms_observed_total.
+# Not KVCacheTooSmall: that is vLLM refusing to start, before any memory ran out.
+OOM_KINDS = (CUDA_OOM, OOM_KILLED)
 PHASES = tuple(p.value for p in Phase)
 UNKNOWN_RANK = "unknown"
 # the condition that explains each phase, for the phase-change log line
@@ -91,7 +93,7 @@ def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
 def memory_terminations(seen: Sequence[Termination]) -> list[Termination]:
     """The runs of vLLM among `seen` that ended for memory (a CUDA OOM, the kernel's OOM kill),
     acted upon or not."""
-    return [t for t in seen if t.kind in MEMORY_KINDS]
+    return [t for t in seen if t.kind in OOM_KINDS]
 
 
 def rank_label(t: Termination) -> str:

@@ -1,7 +1,8 @@
 """What the serving pods' surroundings add to a pass: the model cache's claim, the agents that
 do not report, and the GPU size the nodes' labels state.
 
-`reconcile.step` calls four functions here, so the step itself grows by a few lines:
+`reconcile.step` calls four functions here, so the step itself grows by a few lines (what the
+edge reads for them, the claim and the nodes, core/step/gather names):
 
 * `refusal`: a name another, older LLMService holds (core/render/taken_names), or a cache claim
   another LLMService controls: the step applies nothing and says why.
@@ -27,8 +28,7 @@ from rankguard_operator.core.observe import agent_ready
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.render import claim as model_cache
 from rankguard_operator.core.render.taken_names import taken, taken_message
-from rankguard_operator.core.spec.fields import SpecError
-from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.step.world import World
 
 
@@ -143,29 +143,3 @@ def settle(
     elif not agent_ready.keeps(condition(conds, agent_ready.CONDITION)):
         put(agent_ready.CONDITION, *agent_ready.waiting(), agent_ready.event)
     return Settled(conds, tuple(events), () if verdict is None else verdict.unavailable)
-
-
-@dataclass(frozen=True)
-class Reads:
-    """What the edge must read for a pass besides the Deployment and the reports."""
-
-    claim: str | None = None  # spec.modelCache's claim
-    nodes: tuple[str, ...] = ()  # the serving pods' nodes, for their GPU labels
-
-
-def reads(world_spec: Mapping[str, Any], name: str, pods: Sequence[Mapping[str, Any]]) -> Reads:
-    """The claim to read (with a model cache) and the nodes whose labels may size the GPU (when
-    the spec does not give it): every node a serving pod is scheduled on. Nothing when the spec
-    cannot be read (the step says why)."""
-    try:
-        spec = parse_spec(world_spec)
-    except SpecError:
-        return Reads()
-    nodes: set[str] = set()
-    if spec.memory.gpu_memory_bytes is None:
-        for p in pods:
-            node = (p.get("spec") or {}).get("nodeName")
-            if isinstance(node, str) and node:
-                nodes.add(node)
-    claim = None if spec.model_cache is None else spec.model_cache.claim(name)
-    return Reads(claim, tuple(sorted(nodes)))

@@ -1,6 +1,6 @@
 """The inputs and outputs of one reconcile step (`Settings`, `World`, `Step`) and the small pure
-helpers around it: times, termination keys, the remediation id a Deployment carries, the
-Deployment as it stands after an apply, and which pods to scrape. Apart from `reconcile` so
+helpers around it: termination keys, the remediation id a Deployment carries, the
+Deployment as it stands after an apply, and whether a pass is busy. Apart from `reconcile` so
 the step itself reads top to bottom; the room's face (`core.step`) hands them on to the edge.
 
 Pure: no I/O, no clock.
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from rankguard_agent.wire.report import Report
 from rankguard_operator.core import policy
 from rankguard_operator.core.effects import Effect
 from rankguard_operator.core.model.resolve import ConfigRead
 from rankguard_operator.core.names import REMEDIATION_ID_ANNOTATION
 from rankguard_operator.core.observe.agent_ready import AgentMiss
-from rankguard_operator.core.observe.pods import (
-    Termination,
-    carried_template_hash,
-    deployment_template_hash,
-    pod_ip,
-    pod_ready,
-)
+from rankguard_operator.core.observe.headroom import ReportInput
+from rankguard_operator.core.observe.pods import Termination, deployment_template_hash, pod_ready
 from rankguard_operator.core.render.taken_names import NameRivals
-from rankguard_operator.core.spec.fields import SpecError
-from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
+from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.figures import (
+    Figures,
+    figures,
+    memory_terminations,
+    phase_change,
+    rank_label,
+)
 from rankguard_operator.core.status.patch import merged_status
 from rankguard_operator.core.status.service_state import ServiceState
 
@@ -44,9 +44,6 @@ class Settings:
     agent_image: str
     stale_after: float = 30.0  # seconds after which an agent report is too old to act on
     agent_unavailable_after: float = 60.0  # a ready pod without a report this long: AgentReady False
-
-
-ReportInput = tuple[str, Report, float]  # (pod name, validated report, received at)
 
 
 @dataclass(frozen=True)
@@ -74,6 +71,17 @@ class World:
     # the Warning Events of the objects core/observe/pod_blockers.event_subjects names, by the
     # involved object's uid (a volume the kubelet cannot mount is said only in an Event)
     events: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
+    # seconds since this operator last wrote the service's status (None: not since it started);
+    # a write that only lets figures drift waits up to core/status/hold's bound
+    status_age: float | None = None
+
+
+class OomSeen(NamedTuple):
+    """A memory termination, as the operator counts it (once, acted upon or not)."""
+
+    key: str
+    kind: str
+    rank: str
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,24 @@ class Step:
     spec: ServiceSpec | None = None  # the spec as this step parsed it (None: refused)
     # the vLLM terminations this step saw for the first time (not yet in handledTerminations)
     terminations: tuple[Termination, ...] = ()
+    # whether something changes without a watch event or an agent's news (a remediation under
+    # way, pods starting on a node, an agent not answering): the edge passes at the fast cadence
+    busy: bool = False
+    lines: tuple[int, ...] = ()  # the headroom lines the agents' long-polls wake on
+    held: bool = False  # a status write that only let figures drift was left for later
+    before: ServiceState | None = None  # the state the step started from
+
+    def figures(self) -> Figures:
+        """The service's gauges, from the status as the step leaves it."""
+        return figures(self.state.raw, self.spec)
+
+    def phase_change(self) -> str | None:
+        """One line when the step changed the service's phase."""
+        return None if self.before is None else phase_change(self.before.raw, self.state.raw)
+
+    def ooms(self) -> tuple[OomSeen, ...]:
+        """The memory terminations among this step's new ones."""
+        return tuple(OomSeen(t.key, t.kind, rank_label(t)) for t in memory_terminations(self.terminations))
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,28 +160,13 @@ def same_template(live: Mapping[str, Any] | None, want: Mapping[str, Any], repli
     return deployment_template_hash(live) == deployment_template_hash(want) and (live_replicas == replicas)
 
 
-def scrape_targets(
-    world_spec: Mapping[str, Any],
-    deployment: Mapping[str, Any] | None,
-    pods: Sequence[Mapping[str, Any]],
-    statefulsets: Sequence[Mapping[str, Any]] = (),
-) -> list[tuple[str, str, int]]:
-    """(pod, IP, agent port) of the pods worth scraping: ready, with an IP, created from the
-    template the Deployment (or a multi-node service's StatefulSets) holds now. `step` keeps
-    only the reports of the template it wants, so this is an economy, not a decision. Empty
-    when the spec cannot be read."""
-    try:
-        port = parse_spec(world_spec).agent.port
-    except SpecError:
-        return []
-    live = {deployment_template_hash(deployment)} | {deployment_template_hash(s) for s in statefulsets}
-    live.discard(None)
-    out = []
-    for p in pods:
-        ip = pod_ip(p)
-        if ip and pod_ready(p) and carried_template_hash(p) in live:
-            out.append((str(p["metadata"]["name"]), ip, port))
-    return out
+def busy(state: ServiceState, world: World) -> bool:
+    """A Running service's agents wake it when their reports are news (edge/report_feed), and
+    the step names when its own clocks fall due (`pass_again_after`): only a remediation under
+    way, an agent not answering (AgentReady's bound runs) and pods still starting on a node pass
+    at the fast cadence."""
+    starting = any((p.get("spec") or {}).get("nodeName") and not pod_ready(p) for p in world.pods)
+    return bool(state.raw.get("pendingRemediation")) or bool(world.agent_misses) or starting
 
 
 def with_intent(state: ServiceState, pending: Mapping[str, Any]) -> ServiceState:

@@ -1,0 +1,29 @@
+"""Fixtures shared by the unit tests that launch the agent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rankguard_agent.gpu.simfiles import write_device
+from tests.unit.agent.launched import AGENT_ROOT
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def sim_env(tmp_path: Path) -> dict[str, str]:
+    root = tmp_path / "gpus"
+    for i in range(2):
+        write_device(root, f"GPU-{i}", index=i, total_bytes=80 * GIB)
+    env = dict(os.environ)
+    env.update(
+        {
+            "PYTHONPATH": str(AGENT_ROOT),
+            "RANKGUARD_SIM_GPU_ROOT": str(root),
+            "NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1",
+        }
+    )
+    return env

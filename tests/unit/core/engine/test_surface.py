@@ -1,0 +1,257 @@
+"""rankguard's decision on extraArgs, and the fake vLLM's parser, held against the real vLLM.
+
+tests/fixtures/vllm_argv_cases.json is written by hack/vllm-snapshot/run.sh from the real vLLM
+0.33.0 package (`argv_cases.py`): 1,000+ extraArgs lists generated from vLLM's own parser (every
+spelling of every option, a bad value for every typed one, good and bad objects for every
+JSON option, prefixes, negative numbers, `-O`, the world-size, endpoint and memory options),
+each with what vLLM does with the command a rankguard pod runs (`vllm serve MODEL <rendered
+flags> <extraArgs>`): its parser's verdict (accepts, exits 2, crashes), its serve-args
+validation, its own ParallelConfig (world size, context-parallel rules), what would listen on
+the port, and whether the pod would run (`starts`).
+
+The promise: rankguard never accepts a spec whose pod vLLM refuses or crash-loops, and where
+it refuses one vLLM would run, the refusal is a decision with a reason (an owned flag, an
+option a rankguard pod cannot be, a value it cannot check), never an accident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter
+from functools import cache
+from typing import Any
+
+import pytest
+
+from rankguard_operator.core.engine.owned_flags import OWNED
+from rankguard_operator.core.engine.rules import rules_for
+from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.engine.surface import HOST_MEMORY, MEASURE_FIRST, NO_EFFECT, REFUSED
+from rankguard_operator.core.engine.vllm_cli import HELP
+from rankguard_operator.core.render.pod import vllm_args
+from rankguard_operator.core.spec.fields import SpecError
+from rankguard_operator.core.spec.parse import parse_spec
+from rankguard_sim.fake_vllm import args as fake_args
+from tests import REPO
+
+TABLE: dict[str, Any] = json.loads(
+    (REPO / "tests" / "fixtures" / "vllm_argv_cases.json").read_text(encoding="utf-8")
+)
+CASES: list[dict[str, Any]] = TABLE["cases"]
+RULES = rules_for(TABLE["vllm_version"])
+IMAGE = f"vllm/vllm-openai:v{TABLE['vllm_version']}"
+
+# Why rankguard may refuse a command vLLM would run: each is a decision the refusal names.
+POLICY = re.compile(
+    r"is owned by rankguard"  # an owned flag: the spec field to use instead
+    r"|is refused:"  # an option a rankguard pod cannot run with (REFUSED)
+    r"|is refused: a config file"
+    r"|reads an item that starts with '-' and holds a '\.'"  # vLLM's reader eats or crashes on it
+    r"|must be one of mp, uni"  # an executor other than vLLM's own two
+    r"|--distributed-executor-backend ray is refused"
+    r"|as null inside its list"  # `None` in a list option: null to vLLM, refused by its configs
+    r"|cannot drive"  # the uni executor with more than one GPU
+)
+
+
+def spec_doc(extra: list[str], tp: int = TABLE["pod_gpus"]) -> dict[str, Any]:
+    return {
+        "model": {"name": TABLE["model"]},
+        "image": IMAGE,
+        "tensorParallelSize": tp,
+        "engine": {"extraArgs": extra},
+    }
+
+
+@cache
+def decide(extra: tuple[str, ...]) -> str | None:
+    """None: rankguard accepts the spec; else its refusal."""
+    try:
+        parse_spec(spec_doc(list(extra)))
+    except SpecError as e:
+        return str(e)
+    return None
+
+
+def test_the_table_covers_every_kind_of_case() -> None:
+    groups = Counter(c["group"] for c in CASES)
+    assert len(CASES) >= 300, len(CASES)
+    for group in (
+        "spelling",
+        "bad-value",
+        "json",
+        "prefix",
+        "world",
+        "endpoint",
+        "memory",
+        "help",
+        "negative",
+    ):
+        assert groups[group] > 0, group
+    # every JSON option has a good and a bad value; every owned option every spelling
+    json_dests = set(RULES.snapshot.surface["json_options"])
+    flags_seen = {c["extra_args"][0].split(".")[0] for c in CASES}
+    for dest in json_dests | set(OWNED):
+        option = RULES.cli.option(dest)
+        assert option is not None, dest
+        assert set(option.spellings) <= flags_seen | {"--model"}, dest
+    verdicts = Counter((c["real"]["parse"], c["real"]["starts"]) for c in CASES)
+    assert (
+        verdicts[("ok", True)] > 300 and verdicts[("exit2", False)] > 100 and verdicts[("crash", False)] > 0
+    )
+
+
+def test_rankguard_never_accepts_a_command_vllm_refuses_or_cannot_run() -> None:
+    wrong = [
+        f"{c['extra_args']}: vLLM {c['real']}"
+        for c in CASES
+        if not c["real"]["starts"] and decide(tuple(c["extra_args"])) is None
+    ]
+    assert not wrong, f"{len(wrong)} accepted by rankguard, refused or crash-looped by vLLM:\n" + "\n".join(
+        wrong
+    )
+
+
+def test_every_refusal_of_a_command_vllm_would_run_is_a_decision_with_its_reason() -> None:
+    accidents = []
+    policy = Counter()
+    for c in CASES:
+        if not c["real"]["starts"]:
+            continue
+        why = decide(tuple(c["extra_args"]))
+        if why is None:
+            continue
+        m = POLICY.search(why)
+        if m is None:
+            accidents.append(f"{c['extra_args']}: {why}")
+        else:
+            policy[m.group(0)] += 1
+    assert not accidents, f"{len(accidents)} refused for no policy:\n" + "\n".join(accidents)
+    assert policy["is owned by rankguard"] > 30  # every spelling of every owned option
+
+
+def test_rankguard_accepts_the_commands_vllm_runs_unless_a_policy_says_no() -> None:
+    """The other side of the promise, counted: most of what vLLM runs is accepted."""
+    runs = [c for c in CASES if c["real"]["starts"]]
+    accepted = [c for c in runs if decide(tuple(c["extra_args"])) is None]
+    assert len(accepted) > 0.85 * len(runs), (len(accepted), len(runs))
+
+
+def _fake_verdict(argv: list[str]) -> str:
+    try:
+        fake_args.parse_args(argv)
+    except SystemExit as e:
+        return f"exit{e.code}"
+    except Exception:
+        return "crash"
+    return "ok"
+
+
+def test_the_fake_vllm_parses_every_case_as_the_real_parser_does(capsys: pytest.CaptureFixture[str]) -> None:
+    wrong = []
+    for c in CASES:
+        argv = ["serve", TABLE["model"], *TABLE["base_args"], *c["extra_args"]]
+        got = _fake_verdict(argv)
+        capsys.readouterr()  # argparse's usage text, for every refused case
+        if got != c["real"]["parse"]:
+            wrong.append(
+                f"{c['extra_args']}: fake {got}, vLLM {c['real']['parse']} {c['real'].get('message', '')}"
+            )
+    assert not wrong, f"{len(wrong)} of {len(CASES)} differ:\n" + "\n".join(wrong)
+
+
+def test_the_table_base_is_what_rankguard_renders() -> None:
+    """The table's command carries the flags a rendered pod carries (dests, not values)."""
+    spec = parse_spec(spec_doc([]))
+    rendered = vllm_args(spec, ServingFlags(kv_cache_memory_bytes=8 << 30), None)
+    assert rendered[:2] == ["serve", TABLE["model"]]
+
+    def dests(argv: list[str]) -> set[str]:
+        return {w.option.dest for _, w in RULES.cli.walk(argv)[0] if w.option is not None}
+
+    assert dests(rendered[2:]) == dests(TABLE["base_args"])
+
+
+def test_every_option_that_changes_the_world_the_endpoint_or_memory_has_a_ruling() -> None:
+    surface = RULES.snapshot.surface
+    touched = (
+        set(surface["world_size"]["factors"]) | set(surface["endpoint_dests"]) | set(surface["memory_dests"])
+    )
+    ruled = set(OWNED) | set(REFUSED) | set(MEASURE_FIRST) | set(HOST_MEMORY) | set(NO_EFFECT)
+    assert touched - ruled == set(), "options the snapshot says matter that rankguard has no ruling on"
+    for dest in ruled - {HELP}:
+        assert RULES.cli.option(dest) is not None, (
+            f"{dest} is ruled on but vLLM {RULES.version} has no such option"
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--he"], "--he is ambiguous to vLLM 0.33.0 (it could be --headless, --help)"),
+        (["--help"], "--help is refused: prints the help and exits"),
+        (["-pcp", "2"], "-pcp 2 multiplies vLLM's world size"),
+        (["-dcp", "3"], "-dcp 3 must divide spec.tensorParallelSize (2)"),
+        (["--headless"], "--headless is refused: starts no API server"),
+        (["--api-server-count", "0"], "--api-server-count 0 starts no API server"),
+        (["--ssl-keyfile", "k", "--ssl-certfile", "c"], "TLS at vLLM is not supported"),
+        (["--distributed-executor-backend", "ray"], "ray is refused: a Ray executor"),
+        (["--compilation-config", '{"level": 3}'], "$.level is not a key vLLM knows here (accepted keys: "),
+        (
+            ["--kv-transfer-config", "LMCache"],
+            "--kv-transfer-config needs a JSON object, got 'LMCache' (not JSON)",
+        ),
+        (["--seed", "-0.5"], "a negative decimal crashes its parser"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["-dp", "2"], "is owned by rankguard; use spec.replicas"),
+    ],
+)
+def test_refusals_name_the_item_and_say_what_to_do(extra: list[str], needle: str) -> None:
+    why = decide(tuple(extra))
+    assert why is not None and needle in why, why
+    assert why.startswith("spec.engine.extraArgs[")
+
+
+def test_measure_first_and_host_memory_options() -> None:
+    from rankguard_operator.core.model.resolve import resolve
+
+    def reason(extra: list[str]) -> str:
+        doc = spec_doc(extra)
+        doc["model"] = {"name": "meta-llama/Llama-3.1-8B-Instruct"}  # in the catalog: planned by default
+        return resolve(parse_spec(doc), None, None).reason
+
+    assert reason([]) == ""
+    assert "decode context parallelism" in reason(["-dcp", "2"])
+    assert "expert parallelism" in reason(["-ep"])
+    assert "host memory" in reason(["--cpu-offload-gb", "4"])
+    assert reason(["--no-enable-expert-parallel"]) == ""
+    # a dotted piece sets its JSON option as the whole object does
+    assert "speculative decoding" in reason(["--speculative-config.method", "ngram"])
+    assert "KV connector" in reason(["--kv-transfer-config.kv_connector=LMCacheConnectorV1"])
+    doc = spec_doc(["--cpu-offload-gb", "16"])
+    doc["resources"] = {"limits": {"memory": "24Gi"}}
+    with pytest.raises(SpecError, match=r"32Gi of host memory .*--cpu-offload-gb 16.*24Gi"):
+        parse_spec(doc)
+    doc["resources"] = {"limits": {"memory": "64Gi"}}
+    parse_spec(doc)
+
+
+def test_upper_case_values_vllm_lowercases_are_accepted() -> None:
+    assert decide(("--moe-backend", "TRITON")) is None
+    ns = fake_args.parse_args(["serve", "m", "--moe-backend", "TRITON"])
+    assert isinstance(ns, argparse.Namespace) and ns.moe_backend == "triton"
+
+
+def test_a_block_size_no_cuda_attention_backend_takes_is_refused() -> None:
+    sizes = RULES.snapshot.surface["attention_block_sizes"]
+    assert all(8 not in s and 16 in s for s in sizes.values() if s != sizes.get("TRITON_FLASHINFER"))
+    doc = spec_doc([])
+    doc["engine"]["blockSize"] = 8
+    with pytest.raises(
+        SpecError, match=r"blockSize 8 is supported by no CUDA attention backend .*16, 32, 64, 128"
+    ):
+        parse_spec(doc)
+    doc["engine"]["blockSize"] = 16
+    assert parse_spec(doc).engine.block_size == 16

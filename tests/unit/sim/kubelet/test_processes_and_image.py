@@ -1,0 +1,115 @@
+"""Across modules: a container as local processes (kubelet/pod/proc), and the sandbox's one "image"
+its commands run from (kubelet/image).
+
+A container's processes are found by their marker even after they leave its session; the
+image's python has the third-party packages but not rankguard's own (the agent reaches a pod
+only through its init container's install) and reports the recorded vLLM version without a
+vLLM to import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rankguard_sim.kubelet.agent_install import install
+from rankguard_sim.kubelet.image import build_image
+from rankguard_sim.kubelet.pod.proc import CONTAINER_ENV, container_pids
+from tests import REPO
+
+# ------------------------------------------------------------------------------ processes and image
+
+
+def test_container_pids_follow_the_marker_across_sessions() -> None:
+    marker = f"test/{os.getpid()}/{time.monotonic_ns()}"
+    # The child starts a grandchild in its own session: only the marker still finds it.
+    code = (
+        "import subprocess, sys, time;"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True);"
+        "print(p.pid, flush=True); time.sleep(30)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, CONTAINER_ENV: marker},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        grandchild = int(parent.stdout.readline())
+        assert sorted(container_pids(marker)) == sorted([parent.pid, grandchild])
+        assert container_pids(marker + "-other") == []
+    finally:
+        for pid in container_pids(marker):
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while container_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert container_pids(marker) == []
+
+
+def test_image_python_has_third_party_packages_but_not_rankguards(tmp_path: Path) -> None:
+    table = build_image(tmp_path / "bin")
+    assert set(table.commands) == {"python3", "python", "vllm", "rankguard-agent-install"}
+    assert all(os.access(p, os.X_OK) for p in table.commands.values())
+    probe = (
+        "import importlib.util as u, yaml;"
+        "print([u.find_spec(m) is None for m in ('rankguard_sim', 'rankguard_operator', 'rankguard_agent')])"
+    )
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [table.commands["python3"], "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[True, True, True]"
+
+
+def test_image_python_reports_the_snapshot_vllm_version_without_vllm_on_the_test_side(tmp_path: Path) -> None:
+    """The agent reads importlib.metadata.version("vllm") in the vLLM container, never importing it."""
+    from rankguard_sim.vllm_snapshot import version
+
+    table = build_image(tmp_path / "bin")
+    probe = (
+        "import importlib.metadata as m, importlib.util as u;"
+        "print(m.version('vllm'), u.find_spec('vllm') is None)"
+    )
+    out = subprocess.run(
+        [table.commands["python3"], "-c", probe],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "pod")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert version() == "0.33.0"
+    assert out.stdout.split() == ["0.33.0", "True"]  # the metadata only: there is no vllm to import
+    # Nothing leaks into this (the test) process: no "vllm" distribution here.
+    import importlib.metadata
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+    assert not list((REPO / "sim").rglob("vllm-*.dist-info"))
+
+
+def test_agent_install_copies_the_package_that_then_imports_from_the_copy(tmp_path: Path) -> None:
+    table = build_image(tmp_path / "bin")
+    dest = tmp_path / "opt" / "agent"
+    subprocess.run([table.commands["rankguard-agent-install"], str(dest)], capture_output=True, check=True)
+    assert (dest / "rankguard_agent" / "__init__.py").is_file()
+    assert not list(dest.rglob("__pycache__"))
+    out = subprocess.run(
+        [table.commands["python3"], "-c", "import rankguard_agent; print(rankguard_agent.__file__)"],
+        env={"PYTHONPATH": str(dest)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == str(dest / "rankguard_agent" / "__init__.py")
+    with pytest.raises(FileNotFoundError):
+        install(tmp_path / "not-a-package", dest)
