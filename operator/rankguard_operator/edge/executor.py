@@ -271,7 +271,7 @@ class ServiceExecutor:
         )
         self.busy, self.due_in = step.busy, step.pass_again_after
         if step.spec is not None:
-            self.feed.set_lines(step.lines)
+            self.feed.set_lines(wanted.lines)
         AGENTS_UNAVAILABLE.labels(namespace=world.namespace, llmservice=world.name).set(
             len(step.agents_unavailable)
         )

@@ -33,7 +33,7 @@ Pure: no I/O, no clock (`world.now`), deterministic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rankguard_operator.core.budget.bounds import budget_key, prior_plan
@@ -71,8 +71,14 @@ def step(
             return invalid_spec(state, world, refused.message, refused.reason, refused.conditions)
         known = _known(state, world, spec)
     except SpecError as e:
-        return invalid_spec(state, world, str(e), cannot_run=isinstance(e, BudgetDoesNotFit))
+        return _refused(state, world, e)
     return _serve(state, world, settings, spec, known)
+
+
+def _refused(state: ServiceState, world: World, e: SpecError) -> Step:
+    """A spec the step cannot serve, found before or after what this pass learned; a budget no
+    start can have says the deployed render cannot run either (core/budget/fits)."""
+    return invalid_spec(state, world, str(e), cannot_run=isinstance(e, BudgetDoesNotFit))
 
 
 def _parsed(world: World, spec: ServiceSpec | SpecError | None) -> ServiceSpec:
@@ -132,15 +138,14 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
     try:
         sized = size(state, world, spec, known, seen)
     except SpecError as e:
-        return invalid_spec(state, world, str(e), cannot_run=isinstance(e, BudgetDoesNotFit))
-    renderer = Renderer(
-        world,
-        spec,
-        settings.agent_image,
-        sized.prior,
-        sized.engine.startup_free_bytes,
-        sized.engine.external_weight_bytes,
-        sized.model.spec_shape,
+        return _refused(state, world, e)
+    # what this pass learned renders from here on: the plan, the engine's start-up, the model
+    renderer = replace(
+        renderer,
+        prior=sized.prior,
+        startup_free=sized.engine.startup_free_bytes,
+        external_weights=sized.engine.external_weight_bytes,
+        shape=sized.model.spec_shape,
     )
     decision = decide(
         state, spec, world.now, current=done.current, seen=seen, plan=sized.plan, history=done.history

@@ -92,8 +92,8 @@ def report(
             events.append(event)
     out: list[Effect] = [*effects, *events]
     patch = status_patch(stored, status)
-    held = patch is not None and hold(state.raw, patch, world.status_age, _lines(found))
-    if patch is not None and not held:
+    # figures that only drifted are written with the next real change (core/status/hold)
+    if patch is not None and not hold(state.raw, patch, world.status_age, policy.headroom_lines(found.spec)):
         out.append(WriteStatus(patch))
     return Step(
         ServiceState.from_status(merged_status(stored, status)),
@@ -105,14 +105,8 @@ def report(
         spec=found.spec,
         terminations=tuple(found.seen.terminations),
         busy=busy(state, world),
-        lines=_lines(found),
-        held=held,
         before=state,
     )
-
-
-def _lines(found: Findings) -> tuple[int, ...]:
-    return policy.headroom_lines(found.spec)
 
 
 def _clocks(found: Findings) -> tuple[float | None, float | None]:

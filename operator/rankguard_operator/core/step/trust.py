@@ -20,6 +20,7 @@ from typing import Any
 
 from rankguard_operator.core.effects import PostEvent
 from rankguard_operator.core.observe import ownership
+from rankguard_operator.core.observe.pods import get_path
 
 # A pod whose ReplicaSet (or our Deployment) the watches have not shown is normally one the
 # watch is a moment behind on; one still unvouched for after this long is counted as ignored.
@@ -89,7 +90,7 @@ def trust(
             continue
         said.add(i.uid)
         newly.append(Distrusted(i.reason, ownership.ignored_message(i), ownership.ignored_event(i)))
-    live = {str(_meta(p, "uid")) for p in pods}
+    live = {str(get_path(p, "metadata", "uid") or "") for p in pods}
     said &= live
     kept = {u: t for u, t in unvouched.items() if u in live and u not in said}
     return Trusted(
@@ -107,12 +108,7 @@ def _set_templates(
     carried before this pass)."""
     now: dict[str, tuple[str, ...]] = {}
     for s in statefulsets:
-        uid, fingerprint = str(_meta(s, "uid")), ownership.statefulset_fingerprint(s)
+        uid, fingerprint = str(get_path(s, "metadata", "uid") or ""), ownership.statefulset_fingerprint(s)
         kept = tuple(f for f in before.get(uid, ()) if f != fingerprint)
         now[uid] = (*kept, fingerprint)[-SET_TEMPLATES_KEPT:]
     return now, {uid: before[uid] for uid in now if uid in before}
-
-
-def _meta(obj: Mapping[str, Any], key: str) -> object:
-    meta = obj.get("metadata")
-    return (meta.get(key) if isinstance(meta, Mapping) else None) or ""

@@ -100,8 +100,6 @@ class Step:
     # whether something changes without a watch event or an agent's news (a remediation under
     # way, pods starting on a node, an agent not answering): the edge passes at the fast cadence
     busy: bool = False
-    lines: tuple[int, ...] = ()  # the headroom lines the agents' long-polls wake on
-    held: bool = False  # a status write that only let figures drift was left for later
     before: ServiceState | None = None  # the state the step started from
 
     def figures(self) -> Figures:
