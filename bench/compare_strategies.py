@@ -23,6 +23,14 @@ OOM in one phase of vLLM's start-up or serving, each fixed by its own lever): ra
 reconcile step, rankguard's rule before issue 27 (every CUDA OOM cuts the KV budget) and a
 person's recipe (halve the utilisation, then --enforce-eager); see strategies_phases.py.
 
+A third table (issue 49) compares vanilla vLLM 0.34, which sizes its KV cache itself after
+warm-up (utilisation unset), with rankguard on 0.34 (the same reconcile step for a 0.34 image:
+engine-measured mode, a reserve through --gpu-memory-utilization from the agents' outside-memory
+figures, pinned where the engine cannot measure) on clean GPUs (TP4, TP8, TP8×PP2 over two pods),
+a neighbour growing on GPU 0, a KV connector's device buffers and a node without VMM; see
+strategies_measured.py (the world of a case, the agent's 0.34 report), strategies_group.py (a
+two-pod group) and strategies_measured_compare.py (the strategies, the table).
+
 Every run starts the engine from a `vllm serve` command line, resolved by the fake vLLM's own
 parser (`rankguard_sim.fake_vllm.args.engine_config_from_argv`); rankguard's runs take theirs
 from the pod, i.e. from the Deployment the step rendered.
@@ -34,14 +42,15 @@ blocks, as a share of the world's true maximum safe capacity
 (`rankguard_sim.physics.scenario_file`), the same memory model the fake vLLM executes; the
 operator never sees it except through the figures an agent and a kubelet would report.
 
-    .venv/bin/python bench/compare_strategies.py [--scenario NAME ...] [--no-trace]
+    .venv/bin/python bench/compare_strategies.py [--scenario NAME ...] [--case NAME ...] [--no-trace]
 
-This file is the entry point; the benchmark is four modules beside it, one per
+This file is the entry point; the benchmark is the modules beside it, one per
 responsibility: strategies_world.py (the scenarios compared, a run of the world, the spec
-rankguard is given, what the agent and the kubelet report), strategies_runner.py (the
-strategies run against that world: the two utilisation baselines and rankguard's loop over the
-operator's reconcile step), strategies_table.py (the table, notes and trace printed) and
-strategies_phases.py (the per-phase comparison and its table).
+rankguard is given, what the agent and the kubelet report), strategies_loop.py (rankguard's loop
+over the operator's reconcile step), strategies_runner.py (the strategies run against that
+world: the two utilisation baselines and rankguard's runs), strategies_table.py (the table,
+notes and trace printed), strategies_phases.py (the per-phase comparison and its table) and the
+three vLLM 0.34 modules above.
 
 Deterministic and pure (no clock, no I/O but stdout); exits 0 unless something raises.
 """
@@ -54,6 +63,8 @@ import sys
 from collections.abc import Sequence
 
 from rankguard_sim.physics.scenario_file import builtin_names
+from strategies_measured import CASES
+from strategies_measured_compare import compare_measured, render_measured
 from strategies_phases import compare_phase, render_phases
 from strategies_runner import compare
 from strategies_table import render
@@ -72,16 +83,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a scenario to compare (repeatable); default: all of "
         + ", ".join((*GPU_SCENARIOS, *PHASE_SCENARIOS)),
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=[c.name for c in CASES],
+        help="a vLLM 0.34 case (repeatable); default: all of them, unless --scenario is given",
+    )
     parser.add_argument("--no-trace", action="store_true", help="print the tables and notes only")
     opts = parser.parse_args(argv)
-    names = opts.scenario or [*GPU_SCENARIOS, *PHASE_SCENARIOS]
+    names = opts.scenario or ([] if opts.case else [*GPU_SCENARIOS, *PHASE_SCENARIOS])
+    cases = [c for c in CASES if c.name in opts.case] if opts.case else ([] if opts.scenario else list(CASES))
     rows = [compare(n) for n in names if n not in PHASE_SCENARIOS]
     phase_rows = [compare_phase(n) for n in names if n in PHASE_SCENARIOS]
+    measured_rows = [compare_measured(c) for c in cases]
     out = []
     if rows:
         out.append(render(rows, traces=not opts.no_trace))
     if phase_rows:
         out.append("Per OOM phase (issue 27):\n\n" + render_phases(phase_rows, traces=not opts.no_trace))
+    if measured_rows:
+        out.append(
+            "vLLM 0.34, which sizes its KV cache after warm-up (issue 49):\n\n"
+            + render_measured(measured_rows, traces=not opts.no_trace)
+        )
     print("\n\n".join(out))
     return 0
 

@@ -65,7 +65,8 @@ PHASE_SCENARIOS = (
 )
 SKIPPED = {
     "llama3-70b-tp8-pp2-2nodes": (
-        "a multi-node group (vLLM --nnodes over two pods); the strategy bench runs one pod per replica"
+        "a multi-node group (vLLM --nnodes over two pods); this table runs one pod per replica (the "
+        "vLLM 0.34 table runs it as one two-pod group, bench/strategies_group.py)"
     ),
     "host-oomkilled": (
         "its failure is a host-memory OOMKill at the container limit, not GPU memory: no GPU ever "
@@ -97,6 +98,12 @@ class WorldRun:
     # report, or with a byte budget the "Initial free memory" line) and the agent reports
     startup_free: tuple[int, ...] = ()
     argv: tuple[str, ...] = ()  # the `vllm` command line of the run (what the launcher runs)
+    # per rank, the free memory at the engine's init snapshot and other processes' memory then:
+    # what the agent's sampler keeps when the worker starts loading weights (free_at_load /
+    # others_at_load) and writes with a CUDA OOM; empty where the run does not say
+    snapshot_free: tuple[int, ...] = ()
+    others_at_start: tuple[int, ...] = ()
+    others_peak: tuple[int, ...] = ()  # per rank, the most others held during the run
 
     @property
     def crashed(self) -> bool:
@@ -312,7 +319,17 @@ def termination_message(run: WorldRun, n_ranks: int) -> TerminationMessage:
         last_error=seen.last_error,
         cause_rank=seen.cause_rank,
         phase=seen.cause_phase,
+        at_load=lambda r: _at_load(run, r),
     )
+
+
+def _at_load(run: WorldRun, rank: int) -> tuple[int | None, int | None, int | None]:
+    """What the agent's sampler would hold for `rank` when the engine died: the free memory and
+    others' memory at the engine's snapshot, and others' peak since (the run's last figures)."""
+    free = run.snapshot_free[rank] if rank < len(run.snapshot_free) else None
+    held = run.others_at_start[rank] if rank < len(run.others_at_start) else None
+    peak = run.others_peak[rank] if rank < len(run.others_peak) else held
+    return free, held, peak
 
 
 def _ready_condition(ready: bool) -> dict[str, str]:

@@ -43,13 +43,14 @@ from pathlib import Path
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
 from rankguard_agent.model_files import ModelFiles
 from rankguard_agent.model_watch import ModelWatch
+from rankguard_agent.others import PodProcesses
 from rankguard_agent.probe import ProbeConfig, probe_pod
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig
 from rankguard_agent.server import AgentState
 from rankguard_agent.streams import LineScanner, Output, pump
 from rankguard_agent.verdict import termination_message, with_place
 from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace, read_group
-from rankguard_agent.wire.phases import PhaseTracker
+from rankguard_agent.wire.phases import LOAD_MARKERS, PhaseTracker
 from rankguard_agent.wire.recognisers import (
     AVAILABLE_KV,
     KV_TOO_SMALL,
@@ -64,8 +65,9 @@ from rankguard_agent.wire.recognisers import (
     WorkerMemoryReport,
     recognise_all,
 )
-from rankguard_agent.wire.report import EngineMemory
-from rankguard_agent.wire.termination import SIGNALED, TerminationMessage
+from rankguard_agent.wire.recognisers_extensible import AfterWarmup, ExtensibleDisabled
+from rankguard_agent.wire.report import MAX_TEXT, EngineMemory
+from rankguard_agent.wire.termination import PHASE_WEIGHTS, SIGNALED, TerminationMessage
 from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
 
 log = logging.getLogger("rankguard_agent.launcher")
@@ -177,7 +179,14 @@ class Observer:
         return " | ".join(self._errors) if self._errors else None
 
     def on_line(self, line: str) -> None:
+        loading = any(fragment in line for fragment in LOAD_MARKERS)
+        before = self.phases.phase(None) if loading else None
         self.phases.on_line(line)
+        if loading and self.state is not None:
+            if before not in (None, PHASE_WEIGHTS):
+                # loading again after later phases: the engine started over, a new init snapshot
+                self.state.sampler.reset_load()
+            self.state.sampler.mark_load()  # free_at_load_bytes, others_at_load_bytes
         found = recognise_all(line)
         if not found:
             if _ERROR_WORDS.search(line):
@@ -197,13 +206,21 @@ class Observer:
         if isinstance(found, Unparsed):
             self._unparsed(found.kind, found.text)
             return
-        if isinstance(found, WorkerMemoryReport | CudaGraphPool | InitialFree):
+        if isinstance(found, WorkerMemoryReport | CudaGraphPool | InitialFree | AfterWarmup):
             rank = self.ranks.rank_of(line)
             local = None if rank is None else self.ranks.place.local_rank(rank)
             if local is None:
                 self._unparsed(_UNATTRIBUTED, found.text)
-            elif self.state is not None:
+            elif self.state is not None and isinstance(found, AfterWarmup):
+                self.state.warmup[local] = found.memory  # the line is whole: the latest replaces
+            elif self.state is not None and not isinstance(found, AfterWarmup):
                 self.state.record_engine_memory(local, _engine_memory(found))
+            return
+        if isinstance(found, ExtensibleDisabled):
+            # said once by the engine core, for every rank: the pod's, not a rank's
+            if self.state is not None:
+                self.state.extensible_disabled = found.reason[:MAX_TEXT]
+            log.info("the engine turned its extensible KV cache off: %.300s", found.reason)
             return
         if isinstance(found, KVObservation):
             # The workers' "Available KV cache memory" (bytes) is what the operator converts a
@@ -338,6 +355,7 @@ class Launcher:
             cause_rank=seen.cause_rank,
             # a CUDA OOM's rank's phase; else where the engine was (for a SIGKILL, the host OOM killer)
             phase=seen.cause_phase if seen.cause is not None else seen.phases.phase(None),
+            at_load=self.runtime.sampler.at_load if self.runtime is not None else None,
         )
 
     def _on_signal(self, sig: int) -> None:
@@ -361,7 +379,9 @@ class Launcher:
                 installed.append(sig)
             except (ValueError, RuntimeError, NotImplementedError):
                 continue  # not the main thread (tests): signals stay with their default
-        runtime = self.runtime = AgentRuntime(self.cfg.runtime, self.env)
+        # The pod's processes are this one's descendants: the probe's ranks, the engine and the
+        # workers it spawns (others.py); the sampler counts everyone else's memory on the GPUs.
+        runtime = self.runtime = AgentRuntime(self.cfg.runtime, self.env, pod=PodProcesses(os.getpid()))
         runtime.state.engine_version = installed_engine_version()
         place = self.place = _group_place(self.cfg.command, self.env, runtime.n_ranks())
         runtime.state.place = place
@@ -418,6 +438,7 @@ class Launcher:
             write_termination_log(self.cfg.termination_log, message)
             return code
         engine_started = True
+        runtime.sampler.reset_load()  # a new engine run: its load start is still to come
         log.info("engine started (pid %d): %.300s", child.pid, " ".join(cmd))
         state = runtime.state
 

@@ -8,11 +8,20 @@ port that cannot be bound leaves an agent without a server.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankguard_agent.constants import DEFAULT_HOST, DEFAULT_PORT
-from rankguard_agent.gpu import GpuBackend, GpuUnavailable, NoGpuBackend, open_backend
+from rankguard_agent.gpu import (
+    GpuBackend,
+    GpuUnavailable,
+    NoGpuBackend,
+    driver_vmm,
+    imex_channel,
+    open_backend,
+)
+from rankguard_agent.others import PodProcesses
 from rankguard_agent.sampler import DEFAULT_HZ, DEFAULT_WINDOW_SECONDS, Sampler
 from rankguard_agent.server import AgentServer, AgentState, const_labels_from_env
 
@@ -40,14 +49,23 @@ def open_backend_or_none(kind: str, env: Mapping[str, str]) -> tuple[GpuBackend,
 
 
 class AgentRuntime:
-    def __init__(self, cfg: RuntimeConfig, env: Mapping[str, str], backend: GpuBackend | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RuntimeConfig,
+        env: Mapping[str, str],
+        backend: GpuBackend | None = None,
+        pod: PodProcesses | None = None,
+    ) -> None:
+        """`pod`: the pod's processes (the launcher's: the agent and the engine it starts), which
+        lets the sampler measure the memory of everyone else on the GPUs; None under `serve`."""
         self.cfg = cfg
+        self.env = dict(env)
         if backend is None:
             backend, error = open_backend_or_none(cfg.backend, env)
         else:
             error = None
         self.backend = backend
-        self.sampler = Sampler(backend, hz=cfg.hz, window_seconds=cfg.window_seconds)
+        self.sampler = Sampler(backend, hz=cfg.hz, window_seconds=cfg.window_seconds, pod=pod)
         self.state = AgentState(
             sampler=self.sampler,
             backend_name=backend.name,
@@ -57,12 +75,23 @@ class AgentRuntime:
         self.server = AgentServer(self.state, cfg.host, cfg.port)
         self.serving = False
 
+    def read_driver(self) -> None:
+        """What the driver offers vLLM 0.34's extensible KV cache (VMM, an IMEX channel), into
+        the state. Asking libcuda takes a child process and can take seconds on a busy node, so
+        `start` runs this in a thread of its own; the report says null until it is known."""
+        try:
+            self.state.imex_channel = imex_channel(self.backend, self.env)
+            self.state.vmm = driver_vmm(self.backend)
+        except Exception:  # never the agent's end: the fields stay unknown
+            log.exception("reading the GPU driver's virtual memory support failed")
+
     def n_ranks(self) -> int:
         return len(self.backend.ranks())
 
     async def start(self) -> None:
         """Start sampling and serving. A port that cannot be bound is logged, not raised."""
         self.sampler.start()
+        threading.Thread(target=self.read_driver, name="rankguard-driver", daemon=True).start()
         try:
             await self.server.start()
             self.serving = True

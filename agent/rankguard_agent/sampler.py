@@ -5,6 +5,20 @@ tensor) last milliseconds to seconds and a single reading would miss them.
 It runs in its own thread: an NVML call on a GPU that is falling off the bus can block
 for seconds, and that must never stall the HTTP server. Readers take a snapshot under a
 lock; the hot path does O(1) amortised work per rank per tick.
+
+Given the pod's processes (`others.PodProcesses`, the launcher's), each tick also lists the
+processes on every rank's GPU, just before reading its memory, and measures the memory held by
+processes that are not the pod's (`others`): the process list is one more driver call (the sim's
+is cached like its readings), one /proc/<pid>/stat read per listed process (is it still the
+same process?), and its parent chain walked only when it is new.
+
+When the engine begins loading weights (`mark_load`, the launcher's phase marker), each rank
+keeps the free memory of its last reading and others' memory as shown then (`free_at_load_bytes`,
+`others_at_load_bytes`): vLLM 0.34 sizes its KV cache against its worker's init memory snapshot,
+taken just before, which it never prints (docs/agent.md). The last reading, not a fresh one: the
+weights' tensors are allocated within milliseconds of the marker's print, so a read after the
+line has come through the pipe is more likely to hold some of them than one from before it; and
+no driver call is made on the launcher's event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rankguard_agent.gpu import GpuBackend, GpuReading, RankDevice
+from rankguard_agent.gpu import GpuBackend, GpuReading, ProcessMemory, RankDevice
+from rankguard_agent.others import OthersTick, OthersTrack, PodProcesses, measure_others
 from rankguard_agent.wire.report import RankSample
 
 log = logging.getLogger("rankguard_agent.sampler")
@@ -66,6 +81,22 @@ class _RankState:
     window: WindowMin
     last_good: GpuReading | None = None
     last: GpuReading | None = None
+    others: OthersTrack | None = None  # with the pod's processes known
+    last_good_at: float | None = None  # the clock when `last_good` was read
+    # (free, others) when the engine began loading weights in this run; pending: the next reading's
+    at_load: tuple[int, int | None] | None = None
+    load_pending: bool = False
+
+
+def listed_processes(backend: GpuBackend, rank: int) -> list[ProcessMemory] | None:
+    """The processes on the rank's GPU; None when the backend cannot list them now (NVML's
+    `listed_processes` says so; `processes` answers [] then, which would read as "none")."""
+    listed = getattr(backend, "listed_processes", None)
+    try:
+        found: list[ProcessMemory] | None = backend.processes(rank) if listed is None else listed(rank)
+    except Exception:  # a backend bug costs this tick's others figure, nothing more
+        return None
+    return found
 
 
 class Sampler:
@@ -75,6 +106,7 @@ class Sampler:
         hz: float = DEFAULT_HZ,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        pod: PodProcesses | None = None,
     ) -> None:
         if hz <= 0 or window_seconds <= 0:
             raise ValueError("hz and window_seconds must be positive")
@@ -83,7 +115,13 @@ class Sampler:
         self.window_seconds = window_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._states = [_RankState(d, WindowMin(window_seconds)) for d in backend.ranks()]
+        # Others on the GPU are measured only where the pod's processes are known (the launcher's
+        # agent is their root); `serve` reads an engine it did not start, and reports None.
+        self.pod = pod
+        self._states = [
+            _RankState(d, WindowMin(window_seconds), others=None if pod is None else OthersTrack())
+            for d in backend.ranks()
+        ]
         self.samples_total = 0
         self.errors_total = 0
         self.ticks_total = 0
@@ -91,22 +129,30 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._crashed: str | None = None
+        self._others_failed = False
 
     # -- sampling ----------------------------------------------------------------------
     def sample_once(self) -> None:
         """Read every rank once. Never raises: a broken rank becomes that rank's error."""
         for state in self._states:
             rank = state.device.rank
+            # Listed before the reading: see others.py on the two calls' race.
+            procs = listed_processes(self.backend, rank) if self.pod is not None else None
             try:
                 reading = self.backend.read(rank)
             except Exception as e:  # a backend bug must not end the sampling of other ranks
                 reading = GpuReading(rank, state.device.uuid, 0, 0, 0, error=f"{type(e).__name__}: {e}"[:200])
+            tick = self._others(reading, procs)
             now = self._clock()
             with self._lock:
+                if state.others is not None and tick is not None:
+                    state.others.push(tick)
                 previous = state.last
                 state.last = reading
                 if reading.error is None:
-                    state.last_good = reading
+                    state.last_good, state.last_good_at = reading, now
+                    if state.load_pending:
+                        state.load_pending, state.at_load = False, self._at_load(state, reading)
                     state.window.push(now, reading.free_bytes)
                     self.samples_total += 1
                 else:
@@ -120,6 +166,19 @@ class Sampler:
         with self._lock:
             self.ticks_total += 1
             self.last_tick = self._clock()
+
+    def _others(self, reading: GpuReading, procs: list[ProcessMemory] | None) -> OthersTick | None:
+        """This tick's measure of others on the rank's GPU; None: no measure (no pod, or a
+        failed reading, which keeps the figures as they were)."""
+        if self.pod is None or reading.error is not None:
+            return None
+        try:
+            return measure_others(reading, procs, self.pod)
+        except Exception:  # reading /proc must never stop the sampler
+            if not self._others_failed:  # once: a broken /proc must not write ten lines a second
+                self._others_failed = True
+                log.exception("measuring the other processes on rank %d's GPU failed", reading.rank)
+            return OthersTick(None)
 
     def _run(self) -> None:
         next_at = self._clock()
@@ -146,6 +205,63 @@ class Sampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    # -- the engine's weights load -------------------------------------------------------
+    @staticmethod
+    def _at_load(state: _RankState, reading: GpuReading) -> tuple[int, int | None]:
+        return reading.free_bytes, state.others.shown.bytes if state.others is not None else None
+
+    def mark_load(self) -> None:
+        """The engine began loading weights: every rank not yet marked in this engine run keeps
+        its last reading's free memory (and others' memory as shown then); a rank without a good
+        reading from the last tick or so (a failed or stuck read) takes its next good one.
+
+        Every rank, not only the one whose line said so: vLLM logs the marker once per node
+        (`info_once`, scope "local": the node's first rank), and its executor starts `load_model`
+        on all of the node's workers at once."""
+        now = self._clock()
+        recent = max(2 * self.period, 0.5)
+        with self._lock:
+            for s in self._states:
+                if s.at_load is not None or s.load_pending:
+                    continue  # the first marker of the run: a later one may find weights loaded
+                good, at = s.last_good, s.last_good_at
+                if good is not None and s.last is good and at is not None and now - at <= recent:
+                    s.at_load = self._at_load(s, good)
+                else:
+                    s.load_pending = True
+
+    def at_load(self, rank: int) -> tuple[int | None, int | None, int | None]:
+        """Local rank `rank`'s free memory and others' memory at this run's load start (None: not
+        seen), and the most others have held on its GPU since the agent started, or hold now.
+
+        Now: read when the engine has died, from the process list alone (each process named by
+        its pid, none of the two-tick caution the remainder needs): a neighbour whose growth ran
+        the engine out may have done so between two ticks."""
+        if not 0 <= rank < len(self._states):
+            return None, None, None
+        named = self._named_others(self._states[rank].device.rank)
+        with self._lock:
+            s = self._states[rank]
+            free, others = s.at_load if s.at_load is not None else (None, None)
+            peak = s.others.peak if s.others is not None else None
+        if named is not None:
+            peak = named if peak is None else max(peak, named)
+        return free, others, peak
+
+    def _named_others(self, rank: int) -> int | None:
+        if self.pod is None:
+            return None
+        procs = listed_processes(self.backend, rank)
+        if procs is None:
+            return None
+        return sum(p.used_bytes or 0 for p in procs if not self.pod.identify(p.pid)[0])
+
+    def reset_load(self) -> None:
+        """A new engine run: what the last one's load start said no longer holds."""
+        with self._lock:
+            for s in self._states:
+                s.at_load, s.load_pending = None, False
 
     # -- reading -----------------------------------------------------------------------
     def is_up(self) -> bool:
@@ -182,6 +298,8 @@ class Sampler:
                     total, used, free = good.total_bytes, good.used_bytes, good.free_bytes
                     wmin = s.window.min()
                     min_free = free if wmin is None else min(wmin, free)
+                others = s.others.shown if s.others is not None else OthersTick(None)
+                free_at_load, others_at_load = s.at_load if s.at_load is not None else (None, None)
                 out.append(
                     RankSample(
                         rank=s.device.rank,
@@ -192,6 +310,11 @@ class Sampler:
                         min_free_bytes=min_free,
                         window_seconds=self.window_seconds,
                         error=error,
+                        others_bytes=others.bytes,
+                        others_peak_bytes=s.others.peak if s.others is not None else None,
+                        others=list(others.top),
+                        free_at_load_bytes=free_at_load,
+                        others_at_load_bytes=others_at_load,
                     )
                 )
         return out

@@ -43,6 +43,7 @@ from rankguard_agent.wire.report import (
     RankSample,
     Report,
 )
+from rankguard_agent.wire.report_memory import WarmupMemory
 from rankguard_agent.wire.report_model import ModelReport
 
 log = logging.getLogger("rankguard_agent.server")
@@ -50,8 +51,16 @@ log = logging.getLogger("rankguard_agent.server")
 CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
 # Kinds of rankguard_agent_unparsed_lines_total always exported (at 0 too), so that a rate()
 # or an alert on them works before the first one: the per-worker reports rankguard reads, and
-# "worker_prefix" for a per-worker line whose rank cannot be told.
-UNPARSED_KINDS = ("worker_memory_report", "cuda_graph_pool", "initial_free_memory", "worker_prefix")
+# "worker_prefix" for a per-worker line whose rank cannot be told; and vLLM 0.34's extensible KV
+# cache lines.
+UNPARSED_KINDS = (
+    "worker_memory_report",
+    "cuda_graph_pool",
+    "initial_free_memory",
+    "worker_prefix",
+    "memory_after_warmup",
+    "extensible_kv_disabled",
+)
 # A held long-poll looks at the report this often: ten samples of the sampler's 10 a second (a
 # rank's window minimum already holds any dip between two looks), and a fifth of the 5 s the
 # operator is allowed from a change to its status. Each look builds the report: in a pod that
@@ -77,6 +86,12 @@ class AgentState:
     unparsed_lines: dict[str, int] = field(default_factory=dict)  # by kind; see UNPARSED_KINDS
     model: ModelReport | None = None  # the served model's files (model_watch), once read
     place: GroupPlace = SINGLE_NODE  # the pod's place in a vLLM multi-node group (launch only)
+    # vLLM 0.34's extensible KV cache: each rank's "Memory after warmup" line (by local rank), the
+    # reason the engine gave for turning the mode off, and what the driver offers it (runtime)
+    warmup: dict[int, WarmupMemory] = field(default_factory=dict)
+    extensible_disabled: str | None = None
+    vmm: bool | None = None
+    imex_channel: bool | None = None
     # long-poll answers by token, newest last; the prefix tells this process's from a restarted one's
     _answered: OrderedDict[str, Report] = field(default_factory=OrderedDict, init=False, repr=False)
     _tokens: Iterator[str] = field(
@@ -121,12 +136,16 @@ class AgentState:
         if rank is None:
             return None
         memory = self.engine_memory.get(local)
+        warmup = self.warmup.get(local)
         if not self.place.multi_node:
-            return sample if memory is None else dataclasses.replace(sample, engine_memory=memory)
+            if memory is None and warmup is None:
+                return sample
+            return dataclasses.replace(sample, engine_memory=memory, warmup=warmup)
         return dataclasses.replace(
             sample,
             rank=rank,
             engine_memory=memory,
+            warmup=warmup,
             local_rank=local,
             stage=self.place.stage(rank),
             tp_rank=self.place.tp_rank(rank),
@@ -163,6 +182,9 @@ class AgentState:
             local_world_size=place.local_world if group else None,
             tp_size=place.tp if group else None,
             pp_size=place.pp if group else None,
+            vmm=self.vmm,
+            imex_channel=self.imex_channel,
+            extensible_disabled=self.extensible_disabled,
         )
 
 
@@ -197,6 +219,13 @@ class AgentCollector(Collector):
         min_free = gauge("rankguard_gpu_min_free_bytes", "Minimum free GPU memory over the sampler's window.")
         reserved = gauge("rankguard_gpu_reserved_bytes", "GPU memory the driver reserves (NVML v2).")
         up = gauge("rankguard_gpu_up", "1 if the last reading of the rank's GPU succeeded.")
+        others = gauge(
+            "rankguard_gpu_others_bytes",
+            "GPU memory held by processes that are not this pod's (absent while unknown).",
+        )
+        others_peak = gauge(
+            "rankguard_gpu_others_peak_bytes", "The most rankguard_gpu_others_bytes has been since start."
+        )
         readings = st.sampler.readings()
         for sample in st.sampler.snapshot():
             rank = st.global_rank(sample.rank)
@@ -210,7 +239,11 @@ class AgentCollector(Collector):
             last = readings[sample.rank] if sample.rank < len(readings) else None
             reserved.add_metric(lv, last.reserved_bytes if last is not None and last.error is None else 0)
             up.add_metric(lv, 0 if sample.error else 1)
-        yield from (total, used, free, min_free, reserved, up)
+            if sample.others_bytes is not None:
+                others.add_metric(lv, sample.others_bytes)
+            if sample.others_peak_bytes is not None:
+                others_peak.add_metric(lv, sample.others_peak_bytes)
+        yield from (total, used, free, min_free, reserved, up, others, others_peak)
 
         s = st.sampler
         sampler_up = gauge(

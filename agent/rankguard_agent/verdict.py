@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from collections.abc import Callable
 
 from rankguard_agent.wire.group import GroupPlace, local_gpu_rank
 from rankguard_agent.wire.recognisers import CudaOom, KVObservation, KVTooSmall
@@ -50,13 +51,16 @@ def termination_message(
     place: GroupPlace | None = None,
     cause_rank: int | None = None,
     phase: str | None = None,
+    at_load: Callable[[int], tuple[int | None, int | None, int | None]] | None = None,
 ) -> TerminationMessage:
     """The message for an engine that ended with `returncode`. `place`: the pod's place in a
     multi-node group (None or one node: `rank` is the device PyTorch named, as always);
     `cause_rank`: in a group, the global rank the cause's own line named (None: unknown);
     `phase`: the engine's phase the OOM's rank was in (wire/phases.py), carried with a CUDA OOM,
     and with a SIGKILL (the host's OOM killer: the kubelet then says OOMKilled; the phase says
-    whether it struck while the weights were staged or while serving)."""
+    whether it struck while the weights were staged or while serving); `at_load`: a local rank's
+    free memory and others' memory when its worker began loading weights, and others' peak (the
+    sampler's), carried with a CUDA OOM for its rank."""
     if isinstance(cause, CudaOom) and place is not None and place.multi_node:
         oom_rank = cause_rank
     else:
@@ -66,6 +70,13 @@ def termination_message(
         message.reason == CUDA_OOM or (message.reason == SIGNALED and message.signal == signal.SIGKILL)
     ):
         message = dataclasses.replace(message, phase=phase)
+    if at_load is not None and message.reason == CUDA_OOM and message.rank is not None:
+        local = place.local_rank(message.rank) if place is not None and place.multi_node else message.rank
+        if local is not None:
+            free, others, peak = at_load(local)
+            message = dataclasses.replace(
+                message, free_at_load_bytes=free, others_at_load_bytes=others, others_peak_bytes=peak
+            )
     return message if place is None else with_place(message, place)
 
 

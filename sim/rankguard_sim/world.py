@@ -198,6 +198,8 @@ def start_node(
     backoff_cap: float = 5.0,
     mig: MigLayout | None = None,
     gpus: int | None = None,
+    vmm: bool = True,
+    imex_channel: bool = False,
 ) -> Node:
     """A process kubelet for `scenario` (room for two replicas' GPUs, or `gpus`), optionally with
     MIG slices; the control plane's default StorageClass gives its pods PersistentVolumes.
@@ -205,7 +207,9 @@ def start_node(
     A multi-node scenario's two replicas are two groups of `nnodes` pods: one node has all their
     GPUs (2 × world size, e.g. 32 for TP8×PP2), or call this once per pod with `gpus=` the
     scenario's local world size (distinct names: four 8-GPU nodes). Every node's pods resolve
-    each other's names (kube/dns.py)."""
+    each other's names (kube/dns.py). `vmm=False`: a driver without virtual memory management;
+    `imex_channel`: pods find an IMEX channel; `node.kubelet.start_neighbour(gpu, hold, steps)`
+    puts a neighbour process on one of its GPUs."""
     kubelet = ProcessKubelet(
         api,
         name,
@@ -218,6 +222,8 @@ def start_node(
         delete_node_on_stop=True,
         extra_env={"RANKGUARD_SIM_TIME_SCALE": str(time_scale)},
         mig=mig,
+        vmm=vmm,
+        imex_channel=imex_channel,
     )
     kubelet.start()
     return Node(kubelet, name)

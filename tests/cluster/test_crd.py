@@ -527,7 +527,7 @@ def test_status_subresource_and_printer_columns(cluster: ControlPlane, crd: str,
 
     wide = cluster.kubectl("get", "llmservice", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
     assert wide[:10] == header
-    assert wide[10:] == ["PP", "PODS", "MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE"]
+    assert wide[10:] == ["PP", "PODS", "MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE", "SIZING"]
 
 
 def test_status_history_is_bounded(cluster: ControlPlane, crd: str, namespace: str) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rankguard_agent.gpu.driver import cuda_vmm_supported
 from rankguard_agent.gpu.interface import (
     GpuReading,
     GpuUnavailable,
@@ -59,6 +60,7 @@ class NvmlBackend:
     def __init__(self, nvml: Any | None = None, env: Mapping[str, str] | None = None) -> None:
         self._nvml = nvml if nvml is not None else _import_pynvml()
         env = os.environ if env is None else env
+        self._env = dict(env)
         try:
             self._nvml.nvmlInit()
         except Exception as e:
@@ -203,19 +205,29 @@ class NvmlBackend:
         return GpuReading(rank, uuid, total, max(0, total - free), free, 0)
 
     def processes(self, rank: int) -> list[ProcessMemory]:
+        return self.listed_processes(rank) or []
+
+    def listed_processes(self, rank: int) -> list[ProcessMemory] | None:
+        """`processes`, but None when NVML cannot list them (no handle, an error), which the
+        sampler must not read as "no process" (others.py)."""
         h = self._handles[rank]
         if h is None:
-            return []
+            return None
         try:
             procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(h)
         except Exception as e:
             log.debug("rank %d: process list unavailable: %s", rank, error_name(e))
-            return []
+            return None
         out = []
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)
             out.append(ProcessMemory(pid=int(p.pid), used_bytes=None if used is None else int(used)))
         return out
+
+    def vmm_supported(self) -> bool | None:
+        """Whether the CUDA driver offers virtual memory management on every device the engine
+        sees (NVML does not say; libcuda does, asked from a child process: gpu/driver.py)."""
+        return cuda_vmm_supported(self._env)
 
     def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # NCCL allocates on the real GPU by itself

@@ -154,8 +154,28 @@ class SimBackend:
         return GpuReading(rank, uuid, dev.total_bytes, used, free, dev.reserved_bytes)
 
     def processes(self, rank: int) -> list[ProcessMemory]:
-        procs_dir = os.path.join(self.root, self._devices[rank].uuid, "procs")
-        return [ProcessMemory(p.pid, p.bytes) for p in scan_procs(procs_dir) if pid_alive(p.pid)]
+        """The live processes' memory, one entry per process as NVML lists them (a process's
+        files of all tags summed). Read through the same cache as `read`: the sampler asks
+        for it every tick."""
+        try:
+            procs = self._files[rank].load_procs(time.time_ns())
+        except OSError:
+            return []
+        held: dict[int, int] = {}
+        for p in procs:
+            if pid_alive(p.pid):
+                held[p.pid] = held.get(p.pid, 0) + p.bytes
+        return [ProcessMemory(pid, nbytes) for pid, nbytes in held.items()]
+
+    def vmm_supported(self) -> bool | None:
+        """Whether every rank's simulated driver has virtual memory management (the device
+        doc's `vmm`); None when the pod has no GPU or one cannot be read."""
+        if not self._devices:
+            return None
+        try:
+            return all(self.device(rank).vmm for rank in range(len(self._devices)))
+        except (OSError, ValueError):
+            return None
 
     @contextlib.contextmanager
     def communicator_init(self, rank: int) -> Iterator[None]:

@@ -44,6 +44,9 @@ class SimDevice:
     reserved_bytes: int = 0
     comm_init_bytes: int = 0
     lost: bool = False
+    # The driver supports GPU virtual memory management (CUDA's cuMem* API), which vLLM 0.34's
+    # extensible KV cache needs; absent from older device docs, which meant a VMM-capable GPU.
+    vmm: bool = True
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class SimDevice:
             "reserved_bytes": self.reserved_bytes,
             "comm_init_bytes": self.comm_init_bytes,
             "lost": self.lost,
+            "vmm": self.vmm,
         }
 
 
@@ -132,6 +136,7 @@ def parse_device(raw: bytes, uuid: str) -> SimDevice:
         reserved_bytes=_non_negative_int(doc, "reserved_bytes"),
         comm_init_bytes=_non_negative_int(doc, "comm_init_bytes"),
         lost=bool(doc.get("lost", False)),
+        vmm=bool(doc.get("vmm", True)),
     )
 
 
@@ -158,9 +163,10 @@ def write_device(
     comm_init_bytes: int = 0,
     lost: bool = False,
     name: str = DEFAULT_NAME,
+    vmm: bool = True,
 ) -> Path:
     """`store_device` by fields (tests and benchmarks build worlds with it)."""
-    device = SimDevice(uuid, index, name, total_bytes, reserved_bytes, comm_init_bytes, lost)
+    device = SimDevice(uuid, index, name, total_bytes, reserved_bytes, comm_init_bytes, lost, vmm)
     return store_device(root, device)
 
 

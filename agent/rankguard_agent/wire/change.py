@@ -6,8 +6,11 @@ the operator would pass and rewrite status every time (issue 31: 1,000 services,
 report is news against an earlier one only when
 
 * anything but its timestamp and its ranks' memory figures differs (a KV line, the probe, the
-  engine's version or memory account, the model, a rank's error, the sampler's health, ...), or
-* a rank's free, minimum free or used memory moved by more than `NEWS_FRACTION` of its GPU, or
+  engine's version or memory account, the model, a rank's error, the sampler's health, a rank's
+  free or others' memory at its weights' load, which change once per engine start, ...), or
+* a rank's free, minimum free or used memory, or the memory of others on its GPU (now, at its
+  peak, or held by one of the processes named), moved by more than `NEWS_FRACTION` of its GPU,
+  or became known or unknown, or the processes named are others, or
 * a rank's minimum free memory crossed one of `lines` (bytes: the policy's low-headroom and
   reclaim lines, which the operator sends with its poll), however small the move.
 
@@ -41,7 +44,11 @@ MAX_TOKEN = 64  # characters of a token kept; an agent's are far shorter
 # What is compared field by field (no copies: a held poll looks at the report every second, and
 # a bench serves a thousand agents from one process). The figures and the timestamp are not.
 _FIGURES = ("free_bytes", "min_free_bytes", "used_bytes")
-_RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankSample) if f.name not in _FIGURES)
+# Others' memory moves as theirs does (wire/report_memory.py): figures too, but optional ones.
+_OPTIONAL_FIGURES = ("others_bytes", "others_peak_bytes")
+_RANK_FIELDS = tuple(
+    f.name for f in dataclasses.fields(RankSample) if f.name not in (*_FIGURES, *_OPTIONAL_FIGURES, "others")
+)
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(Report) if f.name not in ("timestamp", "ranks"))
 
 
@@ -52,9 +59,32 @@ def _rank_news(a: RankSample, b: RankSample, lines: Sequence[int]) -> str | None
     for name in _FIGURES:
         if abs(getattr(a, name) - getattr(b, name)) > quantum:
             return f"rank {b.rank}: {name} moved by more than {NEWS_FRACTION:.0%} of its GPU"
+    why = _others_news(a, b, quantum)
+    if why is not None:
+        return why
     for line in lines:
         if (a.min_free_bytes < line) != (b.min_free_bytes < line):
             return f"rank {b.rank}: minimum free memory crossed {line} bytes"
+    return None
+
+
+def _moved(a: int | None, b: int | None, quantum: float) -> bool:
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    return abs(a - b) > quantum
+
+
+def _others_news(a: RankSample, b: RankSample, quantum: float) -> str | None:
+    for name in _OPTIONAL_FIGURES:
+        if _moved(getattr(a, name), getattr(b, name), quantum):
+            return f"rank {b.rank}: {name} changed by more than {NEWS_FRACTION:.0%} of its GPU"
+    # By pid, not by place: two neighbours of about one size may swap places from tick to tick.
+    held = {(o.pid, o.name): o.bytes for o in a.others}
+    now = {(o.pid, o.name): o.bytes for o in b.others}
+    if held.keys() != now.keys():
+        return f"rank {b.rank}: other processes on its GPU changed"
+    if any(_moved(held[k], now[k], quantum) for k in now):
+        return f"rank {b.rank}: another process's memory moved by more than {NEWS_FRACTION:.0%} of its GPU"
     return None
 
 

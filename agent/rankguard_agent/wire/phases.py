@@ -3,7 +3,18 @@
 vLLM 0.33's engine core runs one order (vllm/v1/engine/core.py): each worker loads the weights,
 then `determine_available_memory` (the profile run, and the CUDA graphs' memory profiled on a
 minimal KV cache), then the KV cache is allocated (`initialize_from_config`), then
-`compile_or_warm_up_model` captures the CUDA graphs and warms the sampler up, then it serves. Two
+`compile_or_warm_up_model` captures the CUDA graphs and warms the sampler up, then it serves.
+
+vLLM 0.34 (no V1 GPU model runner; the V2 runner's lines) with its extensible KV cache runs:
+load (`Loading model from scratch` .. `Model loading took`), the profile run, reserve the KV
+cache's address range (`Available KV cache memory` .. : `initialize_from_config`), warm-up and
+capture (`run_kv_cache_sizing_warmup`, the V2 runner's capture bar .. `Graph capturing finished`,
+then the sampler's warm-up), measure (`measure_kv_cache_blocks` ends with `Memory after warmup`;
+it allocates nothing, so it has no phase of its own: the sampler warm-up's stands), extend (the
+engine core's minimum over ranks, `GPU KV cache size`, then each worker commits it: `Extended KV
+cache to`), serve. They map onto the same six phases (termination.PHASES): reserve and extend are
+the KV cache's allocation, the sizing warm-up runs the profile's largest step again. Without the
+extensible KV cache (`--kv-cache-memory-bytes`, no VMM) 0.34 keeps 0.33's order and lines. Two
 witnesses say where a rank was when it ran out of memory:
 
 - The phase markers: lines vLLM logs as a phase begins or ends (`MARKERS`; their vLLM source,
@@ -60,9 +71,18 @@ MARKERS: tuple[tuple[str, str, str], ...] = (
     ("cuda_graph_captured", "Graph capturing finished in ", PHASE_SAMPLER_WARMUP),
     ("cuda_graph_pool", "CUDA graph pool memory: ", PHASE_SAMPLER_WARMUP),
     ("worker_memory_report", "Current kv cache memory in use is", PHASE_SAMPLER_WARMUP),
+    # vLLM 0.34's extensible KV cache: the measurement after warm-up is done, the minimum over
+    # ranks is committed next (the engine core's `kv_cache_size` then says so for every rank),
+    # and the worker's extension is followed by its KV connector's set-up
+    ("memory_after_warmup", "Memory after warmup: ", PHASE_KV_ALLOCATION),
+    ("extensible_kv_extended", "Extended KV cache to ", PHASE_KV_ALLOCATION),
     ("init_engine_took", "init engine (profile, create kv cache, warmup model) took", PHASE_SERVING),
     ("api_server_start", "Starting vLLM server on ", PHASE_SERVING),
 )
+
+# The fragments of the markers that begin the weights' load (a worker's init memory snapshot was
+# taken just before: the launcher keeps each rank's free memory then, sampler.mark_load).
+LOAD_MARKERS: tuple[str, ...] = tuple(fragment for _, fragment, phase in MARKERS if phase == PHASE_WEIGHTS)
 
 # A traceback frame's function in vLLM's source -> the phase it is the work of.
 FRAME_PHASES: dict[str, str] = {
@@ -80,6 +100,11 @@ FRAME_PHASES: dict[str, str] = {
     "capture_model": PHASE_CUDA_GRAPHS,
     "_capture_cudagraphs": PHASE_CUDA_GRAPHS,
     "_warmup_and_capture": PHASE_CUDA_GRAPHS,
+    # vLLM 0.34's extensible KV cache: the largest steps run again to measure their transient peak
+    # (the profile's work), then the measured size is committed on every worker
+    "run_kv_cache_sizing_warmup": PHASE_PROFILE,
+    "finalize_extensible_kv_cache": PHASE_KV_ALLOCATION,
+    "extend_kv_cache": PHASE_KV_ALLOCATION,
     "_dummy_sampler_run": PHASE_SAMPLER_WARMUP,
     "_dummy_pooler_run": PHASE_SAMPLER_WARMUP,
     "execute_model": PHASE_SERVING,

@@ -46,6 +46,9 @@ Formats (see docs/agent.md for the sources):
   start-up refusal "To serve at least one request with the model's max seq len (%d), (%s GiB
   KV cache is needed, which is larger than the available KV cache memory (%s GiB)", or "No available
   memory for the cache blocks" when nothing is left at all.
+- vLLM 0.34's extensible KV cache: each worker's "Memory after warmup: ..." and the engine's
+  "Disabling the extensible KV cache: <reason>. ..." (`recognisers_extensible`, whose lines
+  `recognise_all` returns as `AfterWarmup` / `ExtensibleDisabled`).
 
 Every log prefix ("(Worker_TP1 pid=77) ERROR 10-02 12:00:00 [x.py:1] ...") is ignored:
 the patterns are searched anywhere in the line (`rankguard_agent.workers` reads the prefix).
@@ -57,6 +60,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from rankguard_agent.wire.recognisers_extensible import (
+    KEYWORDS as EXTENSIBLE_KEYWORDS,
+)
+from rankguard_agent.wire.recognisers_extensible import (
+    AfterWarmup,
+    ExtensibleDisabled,
+    UnreadLine,
+    recognise_extensible,
+)
 
 _UNITS = {
     "b": 1,
@@ -159,7 +172,7 @@ _INITIAL_FREE_MARKER = "memory for KV Cache as specified by kv_cache_memory_byte
 _GIB_ROUNDING = GIB // 200 + 1
 
 # Cheap pre-filter: nearly every line of a serving engine contains none of these.
-_KEYWORDS = ("memory", "KV cache", "Maximum concurrency", "max seq len", _CUBLAS_ALLOC)
+_KEYWORDS = ("memory", "KV cache", "Maximum concurrency", "max seq len", _CUBLAS_ALLOC, *EXTENSIBLE_KEYWORDS)
 
 AVAILABLE_KV = "available_kv_memory"
 KV_TOKENS = "kv_cache_tokens"
@@ -273,7 +286,15 @@ class Unparsed:
 
 
 Recognised = (
-    CudaOom | KVObservation | KVTooSmall | WorkerMemoryReport | CudaGraphPool | InitialFree | Unparsed
+    CudaOom
+    | KVObservation
+    | KVTooSmall
+    | WorkerMemoryReport
+    | CudaGraphPool
+    | InitialFree
+    | AfterWarmup
+    | ExtensibleDisabled
+    | Unparsed
 )
 
 
@@ -457,6 +478,14 @@ def recognise_all(line: str) -> list[Recognised]:
     the usual case. One line can say two things (vLLM 0.33's KV size and concurrency)."""
     if not any(k in line for k in _KEYWORDS):
         return []
+    # First: the reason in a "Disabling the extensible KV cache" line can quote a driver's "out
+    # of memory", and the engine falls back then, it does not fail; and before the KV lines,
+    # since both speak of "the KV cache".
+    extensible = recognise_extensible(line)
+    if isinstance(extensible, UnreadLine):
+        return [Unparsed(extensible.kind, extensible.text)]
+    if extensible is not None:
+        return [extensible]
     oom = recognise_oom(line)
     if oom is not None:
         return [oom]

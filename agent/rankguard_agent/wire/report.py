@@ -4,10 +4,12 @@ The agent builds it with `Report.to_json()`; the operator parses untrusted bytes
 `parse_report()`, which either returns a fully validated `Report` or raises `ReportError`.
 Anything malformed is "no data" for the operator, never a reason to act (DESIGN §5).
 
-The engine fields (`engine_version`, `unparsed_lines`, per rank `engine_memory`) and `model` (the
-served model's config.json and checkpoint headers, `report_model`) are advisory: one that is
-malformed is dropped alone and named in `Report.dropped_fields` (the operator counts those),
-while the rest of the report stands. Everything else malformed rejects the whole report.
+The engine fields (`engine_version`, `unparsed_lines`, per rank `engine_memory`), `model` (the
+served model's config.json and checkpoint headers, `report_model`) and the memory fields of
+`report_memory` (per rank `others*`, `warmup`, `*_at_load_bytes`; for the pod `vmm`,
+`imex_channel`, `extensible_disabled`) are advisory: one that is malformed is dropped
+alone and named in `Report.dropped_fields` (the operator counts those), while the rest of the
+report stands. Everything else malformed rejects the whole report.
 
 Ranks are vLLM's GLOBAL ranks. A pod of a multi-node group (vLLM's `--nnodes`) says where it
 sits (`nnodes`, `node_rank`, `local_world_size`, `tp_size`, `pp_size`) and, per rank, its
@@ -34,6 +36,12 @@ from rankguard_agent.wire.group import (
     GroupError,
     GroupFields,
     check_pod_ranks,
+)
+from rankguard_agent.wire.report_memory import (
+    OtherProcess,
+    WarmupMemory,
+    parse_pod_memory,
+    parse_rank_memory,
 )
 from rankguard_agent.wire.report_model import ModelReport, ModelReportError, parse_model
 
@@ -87,6 +95,15 @@ class RankSample:
     local_rank: int | None = None  # the pod's GPU index (vLLM's local rank)
     stage: int | None = None  # pipeline stage (PP rank)
     tp_rank: int | None = None  # rank within its tensor-parallel group
+    # What the engine cannot see (wire/report_memory.py): memory on this GPU held by processes
+    # that are not this pod's, None = unknown; its most since the agent started; the largest few.
+    others_bytes: int | None = None
+    others_peak_bytes: int | None = None
+    others: list[OtherProcess] = field(default_factory=list)
+    warmup: WarmupMemory | None = None  # this rank's "Memory after warmup" line (vLLM 0.34)
+    # Free memory and others_bytes when the rank began loading weights (vLLM's init snapshot)
+    free_at_load_bytes: int | None = None
+    others_at_load_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,12 @@ class Report:
     local_world_size: int | None = None  # vLLM ranks per pod: global = node_rank × this + local
     tp_size: int | None = None
     pp_size: int | None = None
+    # vLLM 0.34's extensible KV cache (wire/report_memory.py): whether the node's driver has GPU
+    # virtual memory management, whether an IMEX channel opens in this pod (None: no GPU
+    # backend), and the reason the engine gave when it turned the extensible KV cache off.
+    vmm: bool | None = None
+    imex_channel: bool | None = None
+    extensible_disabled: str | None = None
     # Set by parse_report only, never sent: "where: why" for each engine field it dropped.
     dropped_fields: list[str] = field(default_factory=list)
 
@@ -292,6 +315,7 @@ def _rank(doc: Any, where: str, dropped: list[str], g: GroupFields) -> RankSampl
     stage = _opt_int(d, "stage", where, 0, (g.pp or MAX_GROUP_RANKS) - 1)
     tp_rank = _opt_int(d, "tp_rank", where, 0, (g.tp or MAX_GROUP_RANKS) - 1)
     _check_rank(g, where, rank, local, stage=stage, tp=tp_rank)
+    memory = parse_rank_memory(d, where, dropped)
     s = RankSample(
         rank=rank,
         uuid=_str(d, "uuid", where) or "",
@@ -305,6 +329,12 @@ def _rank(doc: Any, where: str, dropped: list[str], g: GroupFields) -> RankSampl
         local_rank=local,
         stage=stage,
         tp_rank=tp_rank,
+        others_bytes=memory.others_bytes,
+        others_peak_bytes=memory.others_peak_bytes,
+        others=memory.others or [],
+        warmup=memory.warmup,
+        free_at_load_bytes=memory.free_at_load_bytes,
+        others_at_load_bytes=memory.others_at_load_bytes,
     )
     if s.error is None and (s.free_bytes > s.total_bytes or s.min_free_bytes > s.free_bytes):
         raise ReportError(f"{where}: free/min_free exceed total/free ({s.free_bytes}, {s.min_free_bytes})")
@@ -392,6 +422,7 @@ def parse_report(raw: bytes) -> Report:
         check_pod_ranks([(r.rank, r.local_rank) for r in ranks], group.first_rank)
     except GroupError as e:
         raise ReportError(f"report.ranks: {e}") from None
+    pod_memory = parse_pod_memory(d, dropped)
     sampler_ok = d.get("sampler_ok", True)
     if not isinstance(sampler_ok, bool):
         raise ReportError("report.sampler_ok: expected true or false")
@@ -411,5 +442,8 @@ def parse_report(raw: bytes) -> Report:
         local_world_size=group.local_world,
         tp_size=group.tp,
         pp_size=group.pp,
+        vmm=pod_memory.vmm,
+        imex_channel=pod_memory.imex_channel,
+        extensible_disabled=pod_memory.extensible_disabled,
         dropped_fields=dropped,
     )

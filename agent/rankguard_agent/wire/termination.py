@@ -72,6 +72,14 @@ class TerminationMessage:
     external_weight_bytes: int | None = None
     # the engine phase the rank was in when it ran out of memory (PHASES); None: unknown
     phase: str | None = None
+    # a CUDA OOM's rank: the GPU's free memory, and other processes' memory, when its worker began
+    # loading weights in this run (vLLM 0.34 sizes against its init snapshot, taken just before);
+    # None: not seen
+    free_at_load_bytes: int | None = None
+    others_at_load_bytes: int | None = None
+    # ... and the most other processes held on its GPU since the agent started (their growth
+    # since the load start may be what ran the engine out)
+    others_peak_bytes: int | None = None
     # A pod of a vLLM multi-node group (None on one node): where the writer sits, and where `rank` sits
     node_rank: int | None = None  # the writing pod's --node-rank
     nnodes: int | None = None  # pods in the group
@@ -159,6 +167,9 @@ def parse_termination_message(text: str | None) -> TerminationMessage:
         startup_check=_opt_bool(doc, "startup_check"),
         external_weight_bytes=_opt_int(doc, "external_weight_bytes"),
         phase=phase if phase in PHASES else None,
+        free_at_load_bytes=_opt_int(doc, "free_at_load_bytes"),
+        others_at_load_bytes=_opt_int(doc, "others_at_load_bytes"),
+        others_peak_bytes=_opt_int(doc, "others_peak_bytes"),
         node_rank=node_rank,
         nnodes=nnodes,
         local_rank=local_rank,

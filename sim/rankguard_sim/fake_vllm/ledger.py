@@ -69,6 +69,10 @@ class FileLedger:
     def lost(self, rank: int) -> bool:
         return gpus.read_device(self.root, self.uuids[rank]).lost
 
+    def vmm(self) -> bool:
+        """Whether every GPU's driver supports virtual memory management (device.json's `vmm`)."""
+        return all(gpus.read_device(self.root, u).vmm for u in self.uuids)
+
     def release_all(self) -> None:
         for alloc in self.allocations:
             alloc.release()

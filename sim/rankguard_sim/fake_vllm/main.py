@@ -35,6 +35,8 @@ its own ranks on its own GPUs; the leader serves HTTP once every node is up (the
 RANKGUARD_SIM_DISTRIBUTED_TIMEOUT_S bounds the waits; RANKGUARD_SIM_HOSTS_FILE is its DNS).
 
 Environment knobs (the sandbox's, not vLLM's):
+  RANKGUARD_SIM_VLLM_VERSION     the engine's release (the kubelet sets it from the image tag):
+                                 0.34 plays its extensible KV cache (startup.py), older ones 0.33
   RANKGUARD_SIM_SCENARIO         a built-in scenario name or a YAML path (default: the
                                  built-in matching the model and topology)
   RANKGUARD_SIM_GPU_ROOT         the simulated GPUs (docs/sim-world.md)
@@ -66,9 +68,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rankguard_sim.fake_vllm.args import VLLM_VERSION, config_from_args, non_default_args, parse_args
+from rankguard_sim.fake_vllm.args import config_from_args, non_default_args, parse_args
 from rankguard_sim.fake_vllm.console import (
-    RUNNER,
     Console,
     failure_lines,
     init_engine_line,
@@ -94,13 +95,33 @@ from rankguard_sim.fake_vllm.sandbox import (
     bind_address,
     engine_pynvml_origin,
 )
+from rankguard_sim.fake_vllm.startup import (
+    after_warmup,
+    capture_start_lines,
+    fall_back,
+    kv_cache_size_line,
+    load_start_lines,
+    measured,
+    print_memory_reports,
+    runner,
+    v1_runner,
+)
 from rankguard_sim.physics import gpus
 from rankguard_sim.physics.engine_config import EngineConfig, EngineConfigError
 from rankguard_sim.physics.engine_failures import EngineFailure
+from rankguard_sim.physics.engine_measured import engine_model
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, KVPlan
 from rankguard_sim.physics.scenario_data import Scenario, ScenarioError
 from rankguard_sim.physics.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
-from rankguard_sim.vllm_snapshot import download_log_seconds, format_gib, message, where
+from rankguard_sim.vllm_snapshot import (
+    ENGINE_VERSION_ENV,
+    download_log_seconds,
+    format_gib,
+    message,
+    play,
+    version,
+    where,
+)
 
 TIME_SCALE_ENV = "RANKGUARD_SIM_TIME_SCALE"
 PEAK_HOLD_ENV = "RANKGUARD_SIM_PEAK_HOLD_S"
@@ -175,7 +196,7 @@ class FakeVllm:
 
     def __post_init__(self) -> None:
         ranks = None if self.group is None else self.group.ranks
-        self.engine = EngineMemoryModel(self.scenario, self.config, self.ledger, ranks)
+        self.engine: EngineMemoryModel = engine_model(self.scenario, self.config, self.ledger, ranks)
         self.core = self.group is None or self.group.leader  # runs the engine core (and HTTP)
         self.model_name = (self.args.served_model_name or [self.args.model_tag])[0]
         self.metrics = Metrics(self.model_name)
@@ -211,7 +232,7 @@ class FakeVllm:
             c.info(
                 "EngineCore_DP0",
                 "core.py:140",
-                f"Initializing a V1 LLM engine (v{VLLM_VERSION}) with config: model='{self.args.model_tag}', "
+                f"Initializing a V1 LLM engine (v{version()}) with config: model='{self.args.model_tag}', "
                 f"dtype={TORCH_DTYPE.get(cfg.dtype, 'torch.' + cfg.dtype)}, max_seq_len={cfg.max_model_len}, "
                 f"tensor_parallel_size={cfg.tensor_parallel_size}, "
                 f"pipeline_parallel_size={cfg.pipeline_parallel_size}, kv_cache_dtype={cfg.kv_cache_dtype}, "
@@ -221,17 +242,13 @@ class FakeVllm:
             await self.pause(PHASE_SECONDS["init-device"])
             raise EngineStartupMessage(self.settings.fail_startup)
         if self.group is not None:
+            self.group.vmm = self.ledger.vmm()
             await self.group.form(self)  # start-up waits until every node has joined
         self.engine.start_other_processes()  # the API server / engine core touching cuda:0
         self.engine.init_devices()
         await self.pause(PHASE_SECONDS["init-device"])
         requested = self.engine.check_free_memory()
-        for _, who in self.workers(once=True):  # the weights' phase begins (wire/phases.py)
-            c.info(
-                who,
-                where("model_load_start", RUNNER),
-                message("model_load_start", self.args.model_tag, file_suffix=RUNNER),
-            )
+        load_start_lines(self)
         await self.download_weights()
         if s.host_memory is not None:
             self.host.report(s.host_memory.after_load_bytes)  # weights are staged in host memory
@@ -239,13 +256,15 @@ class FakeVllm:
         self.engine.load_weights()
         await self.pause(PHASE_SECONDS["load-model"])
         took = time.monotonic() - load_started
-        for rank, who in self.workers(once=True):
+        for rank, who in self.workers(once=v1_runner()):  # 0.34's V2 runner logs it on every worker
             weights = format_gib(self.engine.all_ranks[rank].weights)
             c.info(
                 who,
-                where("model_loading", RUNNER),
-                message("model_loading", weights, took, file_suffix=RUNNER),
+                where("model_loading", runner()),
+                message("model_loading", weights, took, file_suffix=runner()),
             )
+        fall_back(self, self.ledger.vmm() if self.group is None else self.group.world_vmm)
+        requested = self.engine.requested
         self.engine.profile()
         await self.pause(PHASE_SECONDS["profile-run"])
         if self.group is None:
@@ -263,45 +282,35 @@ class FakeVllm:
                 )
             else:
                 c.info(who, where("available_kv_memory"), message("available_kv_memory", format_gib(avail)))
-        if self.core:  # one line since vLLM 0.2x: pool name ("GPU" on CUDA), tokens, length, concurrency
-            c.info(
-                "EngineCore_DP0",
-                where("kv_cache_size"),
-                message(
-                    "kv_cache_size",
-                    "GPU",
-                    f"{plan.num_tokens:,}",
-                    f"{plan.max_model_len:,}",
-                    plan.max_concurrency,
-                ),
-            )
+        extensible = measured(self)
+        if extensible is None:  # 0.34's extensible KV cache logs it once sized, after warm-up
+            kv_cache_size_line(self, plan)
         self.engine.allocate_kv()
         await self.pause(PHASE_SECONDS["initialize-kv-cache"])
+        if extensible is not None:  # 0.34 warms up (through the serving path) before capture
+            extensible.warm_up()
         if not cfg.enforce_eager:
-            for rank, who in self.workers(once=True):  # capture_model's first line
-                c.info(
-                    who,
-                    where("cuda_graph_capture_untraced"),
-                    message("cuda_graph_capture_untraced", self.engine.device(rank)),
-                )
+            capture_start_lines(self)
             self.engine.capture_cuda_graphs()
             await self.pause(PHASE_SECONDS["capture-cuda-graphs"])
             capture_s = PHASE_SECONDS["capture-cuda-graphs"] / self.settings.time_scale
-            for rank, who in self.workers(once=True):
+            for rank, who in self.workers(once=v1_runner()):
                 graphs = self.engine.all_ranks[rank].cuda_graph / (1 << 30)
                 c.info(
                     who,
-                    where("cuda_graph_captured", RUNNER),
-                    message("cuda_graph_captured", capture_s, graphs, file_suffix=RUNNER),
+                    where("cuda_graph_captured", runner()),
+                    message("cuda_graph_captured", capture_s, graphs, file_suffix=runner()),
                 )
-        self.print_memory_reports()
+        print_memory_reports(self)
         self.engine.warm_up_sampler()
         await self.pause(PHASE_SECONDS["sampler-warmup"])
+        if extensible is not None:
+            plan = await after_warmup(self, extensible)
         if self.group is not None:
             await self.group.ready(self)
         if self.core:
             c.info("EngineCore_DP0", *init_engine_line(time.monotonic() - started))
-        self.metrics.set_cache_config(cfg, plan)
+        self.metrics.set_cache_config(self.config, plan)  # fall_back may have replaced it
         return plan
 
     def fetch_config(self) -> None:
@@ -360,42 +369,6 @@ class FakeVllm:
         file, error = engine_pynvml_origin()
         self.console.plain(f"{ENGINE_PYNVML} {file}" if file else f"{ENGINE_PYNVML} not imported ({error})")
         self.metrics.set_engine_pynvml(file, error)
-
-    def print_memory_reports(self) -> None:
-        """After graph capture, each worker's memory report and graph-pool line (utilisation only).
-
-        vLLM's gpu_worker.py prints both only when it profiled (no --kv-cache-memory-bytes);
-        the graph-pool comparison only when it estimated graphs (not --enforce-eager). The
-        fake's estimate is exact, so the difference is 0.
-        """
-        for rank, who in self.workers():
-            report = self.engine.memory_report(rank)
-            if report is None:
-                continue
-            if report.cuda_graph > 0:
-                actual = round(report.cuda_graph / 2**30, 2)
-                self.console.info(
-                    who, where("cuda_graph_pool"), message("cuda_graph_pool", actual, actual, 0.0, 0.0)
-                )
-            self.console.info(
-                who,
-                where("worker_memory_report"),
-                message(
-                    "worker_memory_report",
-                    format_gib(report.init_free),
-                    format_gib(report.total),
-                    report.utilization,
-                    format_gib(report.requested),
-                    format_gib(report.total_consumed),
-                    format_gib(report.peak_activation),
-                    format_gib(report.cuda_graph),
-                    report.kv_to_requested_limit,
-                    format_gib(report.kv_to_requested_limit),
-                    report.kv_to_gpu_limit,
-                    format_gib(report.kv_to_gpu_limit),
-                    format_gib(report.available_kv),
-                ),
-            )
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -571,6 +544,7 @@ def _fail(console: Console, text: str) -> int:
 
 def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    play(env.get(ENGINE_VERSION_ENV))  # the image's release: its flags, lines and sizing
     args = parse_args(argv)  # exits 2 on a bad command line, before anything else
     if args.model_tag is None:
         args.model_tag = args.model  # vLLM: no positional, so --model's value (or its default)
@@ -580,7 +554,7 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         console.info(
             "APIServer",
             "api_server.py:1805",
-            f"vLLM API server version {VLLM_VERSION} (simulated by rankguard_sim)",
+            f"vLLM API server version {version()} (simulated by rankguard_sim)",
         )
         console.info("APIServer", "startup.py:96", f"non-default args: {non_default_args(args)}")
     try:

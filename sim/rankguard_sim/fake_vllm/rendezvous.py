@@ -7,11 +7,14 @@ RANKGUARD_SIM_POD_IP, else 0.0.0.0; a headless node resolves master_addr through
 cluster DNS, kube/dns.py, or takes it as an IP literal, and retries until its timeout), one JSON
 object per line:
 
-    headless → leader   {"op": "join", "node_rank": r, "nnodes": N, "world_size": W, "pid": …}
+    headless → leader   {"op": "join", "node_rank": r, "nnodes": N, "world_size": W, "pid": …,
+                         "vmm": its GPUs' drivers support virtual memory management}
     leader → headless   {"op": "welcome"} | {"op": "refuse", "why": …} (then it closes)
-    leader → all        {"op": "formed"}                    every node joined: start-up begins
+    leader → all        {"op": "formed", "vmm": every node's}   every node joined: start-up begins
     headless → leader   {"op": "kv", "available": [G ints], "requested": [G ints]}
     leader → all        {"op": "plan", …KVPlan's fields}    the engine's plan, every rank's
+    headless → leader   {"op": "measured", "blocks": [G ints]}  vLLM 0.34: after warm-up
+    leader → all        {"op": "settled", …KVPlan's fields}     the minimum over every rank
     headless → leader   {"op": "ready"}                     warmed up: the leader serves HTTP
     leader → all        {"op": "step", "running": n}        one decode step's batch
     headless → leader   {"op": "stepped"}
@@ -52,6 +55,7 @@ from rankguard_sim.fake_vllm.multinode import (
 from rankguard_sim.fake_vllm.sandbox import bind_address
 from rankguard_sim.kube.dns import resolve
 from rankguard_sim.physics.engine_failures import EngineFailure
+from rankguard_sim.physics.engine_measured import MeasuredEngineModel
 from rankguard_sim.physics.engine_memory import KVPlan
 from rankguard_sim.vllm_snapshot import message, version, where
 
@@ -66,10 +70,25 @@ class _Timeout(Exception):
 # The group, as a node of it sees it
 
 
+def _plan(doc: Mapping[str, Any]) -> KVPlan:
+    """The leader's plan as a headless node receives it."""
+    return KVPlan(
+        available=tuple(int(x) for x in doc["available"]),
+        requested=tuple(int(x) for x in doc["requested"]),
+        num_gpu_blocks=int(doc["num_gpu_blocks"]),
+        kv_bytes=tuple(int(x) for x in doc["kv_bytes"]),
+        block_size=int(doc["block_size"]),
+        pinned=bool(doc["pinned"]),
+        max_model_len=int(doc["max_model_len"]),
+        null_blocks=int(doc["null_blocks"]),
+    )
+
+
 @dataclass
 class _Peer:
     node_rank: int
     writer: asyncio.StreamWriter
+    vmm: bool = True
     inbox: asyncio.Queue[dict[str, Any] | None] = dataclasses.field(default_factory=asyncio.Queue)
 
 
@@ -101,6 +120,8 @@ class Group:
         self.peak_hold_s = peak_hold_s
         self.peers: dict[int, _Peer] = {}  # the leader's: node rank -> connection
         self.formed = False
+        self.vmm = True  # this node's GPUs support VMM (the fake sets it before `form`)
+        self.world_vmm = True  # every node's: vLLM turns its extensible KV cache off otherwise
         self.refused: set[object] = set()  # node ranks refused (said once each)
         self.lost_at: float | None = None  # a headless node's: when its group lost a node
         self.inbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()  # a headless node's
@@ -195,8 +216,9 @@ class Group:
             if len(self.peers) < t.nnodes - 1 and asyncio.get_running_loop().time() >= deadline:
                 raise rendezvous_timeout(t, (1 + len(self.peers)) * t.local_world_size)
         self.formed = True
+        self.world_vmm = self.vmm and all(p.vmm for p in self.peers.values())
         for peer in self.peers.values():
-            _send(peer.writer, {"op": "formed"})
+            _send(peer.writer, {"op": "formed", "vmm": self.world_vmm})
         c.plain(f"{SIM} group formed: {t.nnodes} nodes, {t.world_size} ranks")
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -229,7 +251,7 @@ class Group:
                 self.console.plain(f"{SIM} refused node rank {rank} from {peer[0] if peer else '?'}: {why}")
             return
         assert isinstance(rank, int)
-        peer = _Peer(rank, writer)
+        peer = _Peer(rank, writer, vmm=doc.get("vmm") is not False)
         self.peers[rank] = peer
         _send(writer, {"op": "welcome"})
         self._spawn(self._follow(peer, reader))
@@ -265,7 +287,8 @@ class Group:
         node.console.plain(
             f"{SIM} joined the leader at {t.master_addr}:{t.master_port} as node rank {t.node_rank}"
         )
-        await self._headless_wait(node, "formed", deadline)
+        formed = await self._headless_wait(node, "formed", deadline)
+        self.world_vmm = formed.get("vmm") is not False
 
     async def _try_join(self, timeout: float) -> dict[str, Any] | None:
         """One attempt: the leader's answer, or None when it cannot be reached (yet)."""
@@ -287,6 +310,7 @@ class Group:
             "nnodes": t.nnodes,
             "world_size": t.world_size,
             "pid": os.getpid(),
+            "vmm": self.vmm,
         }
         _send(writer, join)
         try:
@@ -311,17 +335,7 @@ class Group:
         if not self.leader:
             assert self.writer is not None
             _send(self.writer, {"op": "kv", "available": available, "requested": requested})
-            doc = await self._headless_wait(node, "plan", deadline)
-            plan = KVPlan(
-                available=tuple(int(x) for x in doc["available"]),
-                requested=tuple(int(x) for x in doc["requested"]),
-                num_gpu_blocks=int(doc["num_gpu_blocks"]),
-                kv_bytes=tuple(int(x) for x in doc["kv_bytes"]),
-                block_size=int(doc["block_size"]),
-                pinned=bool(doc["pinned"]),
-                max_model_len=int(doc["max_model_len"]),
-                null_blocks=int(doc["null_blocks"]),
-            )
+            plan = _plan(await self._headless_wait(node, "plan", deadline))
             engine.plan = plan
             return plan
         every_available, every_requested = list(available), list(requested)
@@ -334,6 +348,27 @@ class Group:
         plan = engine.plan_kv(every_available, every_requested)
         for peer in self.peers.values():
             _send(peer.writer, {"op": "plan", **dataclasses.asdict(plan)})
+        return plan
+
+    async def settle_blocks(self, node: Node, blocks: list[int]) -> KVPlan:
+        """vLLM 0.34: the engine core's minimum of every rank's measured blocks (the leader's)."""
+        engine = node.engine
+        assert isinstance(engine, MeasuredEngineModel)
+        deadline = self._deadline()
+        if not self.leader:
+            assert self.writer is not None
+            _send(self.writer, {"op": "measured", "blocks": blocks})
+            plan = _plan(await self._headless_wait(node, "settled", deadline))
+            engine.plan = plan
+            return plan
+        every = list(blocks)
+        for rank in sorted(self.peers):
+            peer = self.peers[rank]
+            doc = await self._leader_wait(node, peer, "measured", deadline, "compile_or_warm_up_model")
+            every += [int(x) for x in doc["blocks"]]
+        plan = engine.finalize(every)
+        for peer in self.peers.values():
+            _send(peer.writer, {"op": "settled", **dataclasses.asdict(plan)})
         return plan
 
     async def ready(self, node: Node) -> None:

@@ -12,12 +12,14 @@ that downloaded, rendered from the snapshot's template).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from rankguard_sim.physics.gpus import IMEX_CHANNELS_GLOB_ENV
 from rankguard_sim.vllm_snapshot import message_pattern
 
 POD_IP_ENV = "RANKGUARD_SIM_POD_IP"
@@ -25,6 +27,19 @@ WILDCARD_HOSTS = (None, "", "0.0.0.0", "::")
 SIM_LINE = "rankguard-sim:"  # the sandbox's own lines in the fake's output (not vLLM's)
 ENGINE_PYNVML = f"{SIM_LINE} engine pynvml:"
 DOWNLOAD_MESSAGE = "weights_download_time"  # the snapshot's key for vLLM's download-time line
+# Where an IMEX channel would be (vllm/utils/vmm_driver.py `_IMEX_CHANNELS`); the process kubelet
+# points each pod at its own folder instead (IMEX_CHANNELS_GLOB_ENV; the agent reads it too)
+IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels/channel*"
+
+
+def imex_channel_available(env: Mapping[str, str]) -> bool:
+    """vLLM's `imex_channel_available`: a channel file that this process can open (the file alone
+    does not tell: a device cgroup may deny it), under the pod's glob."""
+    for path in glob.glob(env.get(IMEX_CHANNELS_GLOB_ENV) or IMEX_CHANNELS):
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_RDONLY))
+            return True
+    return False
 
 
 def bind_address(host: str | None, env: Mapping[str, str]) -> str:

@@ -12,7 +12,10 @@ python3, python            this interpreter with `-S` and only the third-party s
                            so the agent can only run from the copy its init container made.
                            Like a vLLM image it also has vLLM's distribution metadata:
                            `importlib.metadata.version("vllm")` is the snapshot's version
-                           (a generated `vllm-<version>.dist-info`, no importable package).
+                           (a generated `vllm-<version>.dist-info`, no importable package):
+                           the release the container's RANKGUARD_SIM_VLLM_VERSION names (the
+                           kubelet sets it from the image tag, `vllm_snapshot.image_engine_version`), else
+                           the sandbox's default one.
                            It runs the program through pod_python.py: the python command
                            line (script, -m, -c, options) inside the pod's network namespace
                            stand-in (a wildcard bind binds $RANKGUARD_SIM_POD_IP).
@@ -43,7 +46,7 @@ import sys
 from pathlib import Path
 
 from rankguard_sim.kubelet.pod.spec import ImageTable
-from rankguard_sim.vllm_snapshot import version as vllm_version
+from rankguard_sim.vllm_snapshot import ENGINE_VERSION_ENV, SNAPSHOT_VERSION, played_releases
 
 SIM_DIR = Path(__file__).resolve().parents[2]  # the repo's sim/ source root
 REPO = SIM_DIR.parent
@@ -70,14 +73,13 @@ def pynvml_file() -> str | None:
     return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
-def write_vllm_dist_info(folder: Path) -> Path:
-    """A minimal installed-distribution record for the simulated vLLM under `folder`.
+def write_vllm_dist_info(folder: Path, ver: str = SNAPSHOT_VERSION) -> Path:
+    """A minimal installed-distribution record for the simulated vLLM `ver` under `folder`.
 
     What `importlib.metadata.version("vllm")` reads in a vLLM image, generated from the
     snapshot's version; `folder` goes on the container python's path only (never on the
     test process's), so nothing outside a simulated container sees a "vllm" distribution.
     """
-    ver = vllm_version()
     info = folder / f"vllm-{ver}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n")
@@ -92,11 +94,13 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     """Write the launchers into `folder` and return the table that maps commands to them."""
     folder.mkdir(parents=True, exist_ok=True)
     q = shlex.quote
-    dist = write_vllm_dist_info(folder / "vllm-dist")
-    site_path = ":".join([str(dist), *third_party_paths()])
+    dists = folder / "vllm-dist"  # one folder per release the fake plays
+    for ver in played_releases():
+        write_vllm_dist_info(dists / ver, ver)
+    site_path = ":".join(third_party_paths())
 
     def py(name: str) -> str:
-        return _python_standin(folder / name, python, site_path)
+        return _python_standin(folder / name, python, site_path, dists)
 
     vllm = _script(
         f'PYTHONPATH={q(str(SIM_DIR))}"${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
@@ -118,13 +122,23 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     return ImageTable(commands=_write(folder, scripts), entrypoints=dict(DEFAULT_ENTRYPOINTS))
 
 
-def _python_standin(standin: Path, python: str, site_path: str) -> str:
+def _python_standin(standin: Path, python: str, site_path: str, dists: Path | None = None) -> str:
     """The launcher of an image's python: `python` with `-S` and only `site_path`'s packages (after
-    the pod's own PYTHONPATH), run through pod_python.py so a wildcard bind takes the pod IP."""
+    the pod's own PYTHONPATH), run through pod_python.py so a wildcard bind takes the pod IP.
+    `dists`: the simulated vLLM's dist-info folders, the container's release's first on the path."""
     q = shlex.quote
+    if dists is None:
+        pick = f"site={q(site_path)}\n"
+    else:
+        default = q(str(dists / SNAPSHOT_VERSION))
+        pick = (
+            f'dist={q(str(dists))}/"${{{ENGINE_VERSION_ENV}:-{SNAPSHOT_VERSION}}}"\n'
+            f'[ -d "$dist" ] || dist={default}\n'
+            f'site="$dist":{q(site_path)}\n'
+        )
     return _script(
-        f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{q(site_path)}\nexport PYTHONPATH\n'
-        f'exec {q(python)} -S {q(str(POD_PYTHON))} {q(str(standin))} {q(site_path)} "$@"\n'
+        pick + 'PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"\nexport PYTHONPATH\n'
+        f'exec {q(python)} -S {q(str(POD_PYTHON))} {q(str(standin))} "$site" "$@"\n'
     )
 
 

@@ -38,7 +38,12 @@ Where the sandbox differs from a real node, and only here:
   UUIDs in rank order, RANKGUARD_SIM_GPU_ROOT = gpu_root); before a container starts,
   each of its GPUs gets the scenario's `comm_init_bytes` for that rank. With `mig`
   (nodegpus.MigLayout) the node also offers MIG slices as `nvidia.com/mig-<profile>`,
-  handed out the same way; the Node carries GPU Feature Discovery's labels.
+  handed out the same way; the Node carries GPU Feature Discovery's labels. `vmm=False`: its
+  driver lacks virtual memory management; `imex_channel=True`: its pods find an IMEX channel
+  (RANKGUARD_IMEX_CHANNELS_GLOB, a per-pod folder); `start_neighbour` puts a process outside
+  any pod on one of its GPUs (physics/neighbour.py).
+* Engine release. A container whose image tag names a vLLM version gets
+  RANKGUARD_SIM_VLLM_VERSION: the release its fake vLLM and its python's metadata play.
 * DNS. Each container gets RANKGUARD_SIM_HOSTS_FILE, a hosts-style file this kubelet keeps from
   the cluster's EndpointSlices (rankguard_sim.kube.dns: `<hostname>.<service>.<namespace>[.svc
   [.cluster.local]]` of pods with a hostname and subdomain); the fake vLLM resolves
@@ -67,7 +72,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,7 @@ from rankguard_sim.kubelet.pod.meta import TERMINAL_PHASES, meta_of
 from rankguard_sim.kubelet.pod.spec import GPU_RESOURCE, ImageTable, IpPool
 from rankguard_sim.kubelet.pod.watch import PodWatch
 from rankguard_sim.kubelet.pod.worker import PodWorker
+from rankguard_sim.physics.neighbour import Growth, Neighbour
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
@@ -120,8 +126,11 @@ class ProcessKubelet:
         ip_pool: IpPool | None = None,
         extra_env: Mapping[str, str] | None = None,
         mig: MigLayout | None = None,
+        vmm: bool = True,
+        imex_channel: bool = False,
     ) -> None:
         self.node_name = node_name
+        self.imex_channel = imex_channel  # its pods find an IMEX channel (most clusters: none)
         self.workdir = Path(workdir)
         self.gpu_root = Path(gpu_root)
         self.hosts_file = self.workdir / "dns" / "hosts"  # every container's RANKGUARD_SIM_HOSTS_FILE
@@ -144,7 +153,7 @@ class ProcessKubelet:
         self.grace_cap = grace_cap
         self.stop_grace = stop_grace
         self.delete_node_on_stop = delete_node_on_stop
-        self._gpus = NodeGpus(self.gpu_root, gpus, gpu_total_bytes, scenario, mig)
+        self._gpus = NodeGpus(self.gpu_root, gpus, gpu_total_bytes, scenario, mig, vmm=vmm)
         self.image_bin = self.workdir / "image" / "bin"
         self._user_table = image_table
         self.image = ImageTable(commands={})
@@ -226,6 +235,7 @@ class ProcessKubelet:
             if w.is_alive():
                 log.error("pod %s: worker did not stop; killing its processes", w.key)
                 w.kill_everything()
+        self._gpus.stop_neighbours()
         if self.delete_node_on_stop and self._started:
             with contextlib.suppress(Exception):
                 self.core.delete_node(self.node_name)
@@ -241,6 +251,10 @@ class ProcessKubelet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def start_neighbour(self, gpu: int | str, hold: int, steps: Sequence[Growth] = ()) -> Neighbour:
+        """A process outside any pod on this node's GPU `gpu` (index or UUID): NodeGpus'."""
+        return self._gpus.start_neighbour(gpu, hold, steps)
 
     def _build_image(self) -> ImageTable:
         table = build_image(self.image_bin)

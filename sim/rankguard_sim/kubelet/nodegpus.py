@@ -10,6 +10,10 @@ one extended resource per profile, `nvidia.com/mig-<profile>` (e.g. nvidia.com/m
 whose devices are simulated GPUs of the slice's memory with "MIG-…" UUIDs. A container limit
 `nvidia.com/mig-3g.40gb: 1` gets one (`acquire_slices`). `node_labels()` are the labels
 NVIDIA GPU Feature Discovery puts on such a node (nodes.gfd_labels).
+
+`vmm=False`: a node whose driver lacks virtual memory management (every device's `vmm`).
+Neighbours (`start_neighbour`, physics/neighbour.py): processes outside any pod holding memory on
+one of the node's GPUs, stopped with the node.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +29,7 @@ from rankguard_agent.gpu.simfiles import DEFAULT_NAME
 from rankguard_sim.kubelet.nodes import gfd_labels
 from rankguard_sim.kubelet.pod.spec import MIG_RESOURCE_PREFIX
 from rankguard_sim.physics import gpus as simgpus
+from rankguard_sim.physics.neighbour import Growth, Neighbour, start_neighbour
 from rankguard_sim.physics.scenario_data import GIB, Scenario
 from rankguard_sim.physics.scenario_file import load_scenario
 
@@ -88,9 +93,13 @@ class NodeGpus:
         total_bytes: int | None,
         scenario: str | None,
         mig: MigLayout | None = None,
+        *,
+        vmm: bool = True,
     ) -> None:
         self.root = root
         self.count = count
+        self.vmm = vmm
+        self.neighbours: list[Neighbour] = []
         self.scenario: Scenario | None = None
         self.name = DEFAULT_NAME
         self.total_bytes = total_bytes or DEFAULT_GPU_TOTAL_BYTES
@@ -110,7 +119,9 @@ class NodeGpus:
         return self.name.removesuffix(_SIMULATED)
 
     def create(self, seed: str) -> None:
-        self.uuids = simgpus.create_gpus(self.root, self.count, self.total_bytes, seed=seed, name=self.name)
+        self.uuids = simgpus.create_gpus(
+            self.root, self.count, self.total_bytes, seed=seed, name=self.name, vmm=self.vmm
+        )
         self.slices = {}
         if self.mig is None:
             return
@@ -121,7 +132,7 @@ class NodeGpus:
             for _ in range(n):
                 uuid = "MIG-" + simgpus.gpu_uuid(f"{seed}/mig", index).removeprefix("GPU-")
                 name = f"{self.model} MIG {profile}{_SIMULATED}"
-                simgpus.write_device(self.root, simgpus.Device(uuid, index, name, nbytes))
+                simgpus.write_device(self.root, simgpus.Device(uuid, index, name, nbytes, vmm=self.vmm))
                 made.append(uuid)
                 index += 1
             self.slices[mig_resource(profile)] = made
@@ -179,6 +190,19 @@ class NodeGpus:
                 del self._owner[u]
         with contextlib.suppress(OSError):
             simgpus.cleanup_dead(self.root)
+
+    def start_neighbour(self, gpu: int | str, hold: int, steps: Sequence[Growth] = ()) -> Neighbour:
+        """A neighbour on GPU `gpu` (its index on the node, or its UUID) holding `hold` bytes and
+        growing per `steps`; `.grow(n)` grows it at once, `.stop()` ends it (so does `stop_neighbours`)."""
+        uuid = self.uuids[gpu] if isinstance(gpu, int) else gpu
+        found = start_neighbour(self.root, uuid, hold, steps)
+        self.neighbours.append(found)
+        return found
+
+    def stop_neighbours(self) -> None:
+        for n in self.neighbours:
+            n.stop()
+        self.neighbours = []
 
     def set_comm_init(self, uuids: list[str], argv: list[str] | None = None) -> None:
         """The world's fact for each rank: what CUDA context + NCCL cost on that GPU.

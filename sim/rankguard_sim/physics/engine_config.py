@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankguard_sim.physics.scenario_data import Scenario
-from rankguard_sim.vllm_snapshot import default_block_size, kv_cache_dtypes, snapshot
+from rankguard_sim.vllm_snapshot import default_block_size, extensible_facts, kv_cache_dtypes, snapshot
 
 
 def _dtype_choices() -> tuple[str, ...]:
@@ -89,6 +89,9 @@ class EngineConfig:
     # the largest CUDA graph vLLM captures (its effective --max-cudagraph-capture-size after
     # `cudagraph_capture_sizes`); 0 under --enforce-eager, where nothing is captured
     max_cudagraph_capture_size: int = 0
+    # vLLM 0.34's extensible KV cache (physics/extensible_kv.resolve_mode): sized after warm-up
+    extensible_kv_cache: bool = False
+    explicit_utilization: float | None = None  # --gpu-memory-utilization as given (None: unset)
 
     @property
     def dtype_bytes_override(self) -> int | None:
@@ -113,8 +116,12 @@ def engine_config(
     allow_long_max_model_len: bool = False,
     nnodes: int | None = None,
     max_cudagraph_capture_size: int | None = None,
+    extensible_kv_cache: bool = False,
 ) -> EngineConfig:
-    """Fill vLLM's defaults for this scenario's GPU and check what vLLM checks at config time."""
+    """Fill vLLM's defaults for this scenario's GPU and check what vLLM checks at config time.
+
+    An unset utilisation is the scenario's default, except on a release with the extensible KV
+    cache (0.34), whose default follows the mode (its `resolved_gpu_memory_utilization`)."""
     tp = scenario.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
     pp = scenario.pipeline_parallel_size if pipeline_parallel_size is None else pipeline_parallel_size
     if (tp, pp) != (scenario.tensor_parallel_size, scenario.pipeline_parallel_size):
@@ -128,9 +135,7 @@ def engine_config(
             f"scenario {scenario.name} describes its world over {scenario.nnodes} node(s); the "
             f"simulated world has no measurements for it over {nodes}"
         )
-    util = (
-        scenario.defaults.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
-    )
+    util = _utilization(scenario, gpu_memory_utilization, extensible_kv_cache)
     if not 0.0 < util <= 1.0:
         raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 0:
@@ -186,4 +191,16 @@ def engine_config(
         max_model_len_auto=auto,
         nnodes=nodes,
         max_cudagraph_capture_size=capture,
+        extensible_kv_cache=extensible_kv_cache,
+        explicit_utilization=gpu_memory_utilization,
     )
+
+
+def _utilization(scenario: Scenario, given: float | None, extensible_kv_cache: bool) -> float:
+    if given is not None:
+        return given
+    facts = extensible_facts()
+    if facts is None:
+        return scenario.defaults.gpu_memory_utilization
+    key = "default_utilization" if extensible_kv_cache else "estimate_default_utilization"
+    return float(facts[key])

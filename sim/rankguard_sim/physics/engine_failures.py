@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from rankguard_sim.physics.scenario_data import GIB, KIB, MIB
-from rankguard_sim.vllm_snapshot import format_gib, message
+from rankguard_sim.vllm_snapshot import arity, format_gib, message
 
 # Outcome reasons (the world's words; the agent recognises the printed messages instead).
 CUDA_OOM = "CUDAOutOfMemory"
@@ -136,6 +137,21 @@ class CudaOutOfMemory(EngineFailure):
         )
 
 
+def _figures(oom: CudaOutOfMemory) -> dict[str, Any]:
+    """An OOM's figures, for a failure vLLM words its own way around the same allocation."""
+    return {
+        "nbytes": oom.nbytes,
+        "free": oom.free,
+        "total": oom.total,
+        "process_bytes": oom.process_bytes,
+        "torch_allocated": oom.torch_allocated,
+        "private_pools": oom.private_pools,
+        "others": oom.others,
+        "what": oom.what,
+        "device": oom.device,
+    }
+
+
 class SamplerWarmupOOM(CudaOutOfMemory):
     """vLLM wraps an OOM while pre-allocating the sampler's logits buffers in its own advice."""
 
@@ -143,15 +159,7 @@ class SamplerWarmupOOM(CudaOutOfMemory):
         super().__init__(
             oom.rank if oom.rank is not None else 0,
             "sampler-warmup",
-            nbytes=oom.nbytes,
-            free=oom.free,
-            total=oom.total,
-            process_bytes=oom.process_bytes,
-            torch_allocated=oom.torch_allocated,
-            private_pools=oom.private_pools,
-            others=oom.others,
-            what=oom.what,
-            device=oom.device,
+            **_figures(oom),
         )
         self.num_reqs = num_reqs
 
@@ -160,6 +168,24 @@ class SamplerWarmupOOM(CudaOutOfMemory):
             f"CUDA out of memory occurred when warming up sampler with {self.num_reqs} dummy requests. "
             "Please try lowering `max_num_seqs` or `gpu_memory_utilization` when initializing the engine."
         )
+
+
+class TorchCapOOM(CudaOutOfMemory):
+    """vLLM 0.34 caps torch's caching allocator after warm-up (set_per_process_memory_fraction):
+    an allocation that would take torch's reservation past the cap is refused inside torch,
+    whatever the GPU has free (c10's preemptive rejection, rendered from the snapshot)."""
+
+    def __init__(self, oom: CudaOutOfMemory, cap: int) -> None:
+        super().__init__(
+            oom.rank if oom.rank is not None else 0,
+            oom.phase,
+            **_figures(oom),
+        )
+        self.cap = cap
+
+    def message(self) -> str:
+        # c10 ends the fragment with the requested size (format_size) and a full stop
+        return f"{message('torch_oom_fraction')}{format_size(self.tried)}."
 
 
 class StartupFreeMemoryError(EngineFailure):
@@ -203,30 +229,64 @@ class StartupFreeMemoryError(EngineFailure):
         )
 
 
+def kv_memory_hint(extensible: bool, after_warmup: bool, utilization: float) -> str:
+    """vLLM 0.34's `_more_kv_cache_memory_hint` (vllm/v1/core/kv_cache_planning.py; an f-string
+    the snapshot records only as the `hint` value of no_kv_memory and kv_too_small)."""
+    if not extensible:
+        return (
+            "Try increasing `gpu_memory_utilization` when initializing the engine (this flag also "
+            "controls CPU memory reservation on the CPU backend, despite its name)."
+        )
+    used_by = (
+        "the model, its activations, CUDA graphs and warmup"
+        if after_warmup
+        else "the model and its activations"
+    )
+    graphs = (
+        " CUDA graphs take less with fewer or smaller capture sizes in the compilation config."
+        if after_warmup
+        else ""
+    )
+    if utilization < 1.0:
+        return (
+            f"The KV cache gets what is left after {used_by} within `gpu_memory_utilization`={utilization}; "
+            "increase it (with the extensible KV cache it defaults to 1.0) or decrease `max_model_len` "
+            f"or `max_num_seqs`.{graphs}"
+        )
+    return (
+        f"The extensible KV cache already takes all device memory left after {used_by}; decrease "
+        f"`max_model_len` or `max_num_seqs`, or the model needs a device with more memory.{graphs}"
+    )
+
+
 class NoKVCacheMemory(EngineFailure):
     reason = NO_KV_MEMORY
 
-    def __init__(self, rank: int, available: int) -> None:
+    def __init__(self, rank: int, available: int, hint: str = "") -> None:
         super().__init__(rank, "kv-cache")
         self.available = available
+        self.hint = hint  # 0.34's message carries one (kv_memory_hint); 0.33's has it built in
 
     @property
     def free_bytes(self) -> int | None:
         return max(0, self.available)
 
     def message(self) -> str:
-        return message("no_kv_memory")
+        return message("no_kv_memory", *([self.hint] if arity("no_kv_memory") else []))
 
 
 class KVCacheTooSmall(EngineFailure):
     reason = KV_CACHE_TOO_SMALL
 
-    def __init__(self, rank: int, *, max_model_len: int, needed: int, available: int, estimated: int) -> None:
+    def __init__(
+        self, rank: int, *, max_model_len: int, needed: int, available: int, estimated: int, hint: str = ""
+    ) -> None:
         super().__init__(rank, "kv-cache")
         self.max_model_len = max_model_len
         self.needed = needed
         self.available = available
         self.estimated = estimated
+        self.hint = hint  # 0.34's message carries one (kv_memory_hint)
 
     @property
     def requested_bytes(self) -> int | None:
@@ -244,13 +304,14 @@ class KVCacheTooSmall(EngineFailure):
             if self.estimated > 0
             else ""
         )
-        return message(
-            "kv_too_small",
+        values = [
             self.max_model_len,
             format_gib(self.needed),
             format_gib(self.available),
             estimated,
-        )
+            self.hint,
+        ]
+        return message("kv_too_small", *values[: arity("kv_too_small")])
 
 
 class GpuLost(EngineFailure):

@@ -29,6 +29,7 @@ from rankguard_sim.physics.engine_failures import (
     NoKVCacheMemory,
     SamplerWarmupOOM,
     StartupFreeMemoryError,
+    kv_memory_hint,
 )
 from rankguard_sim.physics.scenario_data import MIB, PHASES, Scenario
 from rankguard_sim.vllm_snapshot import null_blocks
@@ -376,8 +377,12 @@ class EngineMemoryModel:
         The check runs even when --kv-cache-memory-bytes is given (init_device always calls
         it), so a pinned budget also needs a utilisation the free memory can satisfy.
         """
-        requested = []
         self.snapshot_free = [self.ledger.free(self._device[m.rank]) for m in self.ranks]
+        return self.check_requested()
+
+    def check_requested(self) -> list[int]:
+        """The check against the snapshot taken (vLLM 0.34 runs it again on falling back)."""
+        requested = []
         for i, m in enumerate(self.ranks):
             total = self.ledger.total(i)
             want = math.ceil(total * self.config.gpu_memory_utilization)
@@ -442,12 +447,12 @@ class EngineMemoryModel:
             fits = min((c // m.block_bytes) * cfg.block_size for c, m in zip(check, ranks, strict=True))
             if fits <= 0:
                 worst = min(range(len(ranks)), key=lambda r: check[r])
-                raise NoKVCacheMemory(worst, check[worst])
+                raise NoKVCacheMemory(worst, check[worst], self.kv_hint())
             max_model_len = min(max_model_len, fits)
         per_request = math.ceil(max_model_len / cfg.block_size)
         for m, c in zip(ranks, check, strict=True):
             if c <= 0:
-                raise NoKVCacheMemory(m.rank, c)
+                raise NoKVCacheMemory(m.rank, c, self.kv_hint())
             if per_request * m.block_bytes > c:
                 raise KVCacheTooSmall(
                     m.rank,
@@ -455,6 +460,7 @@ class EngineMemoryModel:
                     needed=per_request * m.block_bytes,
                     available=c,
                     estimated=min(max_model_len, (c // m.block_bytes) * cfg.block_size),
+                    hint=self.kv_hint(),
                 )
         blocks = [avail // m.block_bytes for avail, m in zip(available, ranks, strict=True)]
         num_blocks = min(blocks)
@@ -469,6 +475,11 @@ class EngineMemoryModel:
             null_blocks=nulls,
         )
         return self.plan
+
+    def kv_hint(self, after_warmup: bool = False) -> str:
+        """What vLLM 0.34's too-small messages advise (0.33's carry their own advice)."""
+        cfg = self.config
+        return kv_memory_hint(cfg.extensible_kv_cache, after_warmup, cfg.gpu_memory_utilization)
 
     def memory_report(self, rank: int) -> WorkerMemoryReport | None:
         """vLLM's per-worker report after graph capture; None with --kv-cache-memory-bytes.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rankguard_sim.physics.engine_config import EngineConfig, engine_config
 from rankguard_sim.physics.engine_failures import EngineFailure
+from rankguard_sim.physics.engine_measured import engine_model
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger, rank_memory
 from rankguard_sim.physics.scenario_data import Scenario, gib
 
@@ -50,12 +51,14 @@ def outcome(
     disable_custom_all_reduce: bool = False,
     other_used_bytes: Sequence[int] | None = None,
     max_cudagraph_capture_size: int | None = None,
+    extensible_kv_cache: bool = False,
 ) -> Outcome:
     """Replay start-up and one full load cycle on empty GPUs: does this flag set crash, where?
 
     The fake vLLM runs the same `EngineMemoryModel` phases over the GPU files, walking the
     same ramp levels, so this answer is the fake's behaviour. Raises EngineConfigError for
-    flags vLLM would reject before touching a GPU.
+    flags vLLM would reject before touching a GPU. `extensible_kv_cache`: vLLM 0.34's measured
+    sizing (under `vllm_snapshot.playing("0.34.0")`; engine_measured).
     """
     config = engine_config(
         scenario,
@@ -70,6 +73,7 @@ def outcome(
         enforce_eager=enforce_eager,
         disable_custom_all_reduce=disable_custom_all_reduce,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
+        extensible_kv_cache=extensible_kv_cache,
     )
     return outcome_for_config(scenario, config, other_used_bytes=other_used_bytes)
 
@@ -83,7 +87,7 @@ def outcome_for_config(
     every flag as a keyword.
     """
     ledger = PureLedger([scenario.gpu.total_bytes] * scenario.world_size, other_used_bytes)
-    engine = EngineMemoryModel(scenario, config, ledger)
+    engine = engine_model(scenario, config, ledger)
     try:
         plan = engine.startup()
     except EngineFailure as failure:

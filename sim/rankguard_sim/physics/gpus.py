@@ -38,6 +38,9 @@ from rankguard_agent.gpu.simfiles import (
 )
 
 GPU_ROOT_ENV = SIM_ROOT_ENV
+# Where a pod's IMEX channels are (the files vLLM opens for FABRIC handles): the process kubelet
+# points each pod at its own folder, with a channel or without; the fake vLLM and the agent glob it.
+IMEX_CHANNELS_GLOB_ENV = "RANKGUARD_IMEX_CHANNELS_GLOB"
 DEFAULT_SEED = "rankguard-sim"
 
 # Tags become part of a file name: keep them to a safe, readable alphabet.
@@ -95,11 +98,13 @@ def create_gpus(
     reserved_bytes: int = 0,
     comm_init_bytes: int = 0,
     start_index: int = 0,
+    vmm: bool = True,
 ) -> list[str]:
     """Create (or reset) `count` GPUs under `root` and return their UUIDs in index order.
 
     Existing allocations of the same UUIDs are kept: re-registering a node must not make
-    a running process's memory vanish.
+    a running process's memory vanish. `vmm=False`: a driver without virtual memory management
+    (vLLM 0.34's extensible KV cache falls back to estimate-based sizing there).
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
@@ -122,6 +127,7 @@ def create_gpus(
                 total_bytes=total_bytes,
                 reserved_bytes=reserved_bytes,
                 comm_init_bytes=comm_init_bytes,
+                vmm=vmm,
             ),
         )
         uuids.append(uuid)
@@ -162,6 +168,11 @@ def set_comm_init_bytes(root: PathLike, uuid: str, nbytes: int) -> Device:
 
 def set_reserved_bytes(root: PathLike, uuid: str, nbytes: int) -> Device:
     return _update_device(root, uuid, reserved_bytes=_check_bytes(nbytes, "reserved_bytes"))
+
+
+def set_vmm(root: PathLike, uuid: str, vmm: bool) -> Device:
+    """Whether the GPU's driver supports virtual memory management (device.json's `vmm`)."""
+    return _update_device(root, uuid, vmm=bool(vmm))
 
 
 def mark_lost(root: PathLike, uuid: str, lost: bool = True) -> Device:

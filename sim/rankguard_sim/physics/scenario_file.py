@@ -42,7 +42,7 @@ from rankguard_sim.physics.scenario_data import (
     gib,
     parse_bytes,
 )
-from rankguard_sim.vllm_snapshot import SNAPSHOT_VERSION, default_block_size
+from rankguard_sim.vllm_snapshot import SNAPSHOT_VERSION, scenario_block_size
 
 SCENARIO_ENV = "RANKGUARD_SIM_SCENARIO"
 
@@ -224,10 +224,10 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         block_size=d.integer("block_size", 1),
         source=d.source(),
     )
-    if defaults.block_size != default_block_size():
+    if defaults.block_size != scenario_block_size():
         raise ScenarioError(
             f"{where}.engine_defaults.block_size: vLLM {SNAPSHOT_VERSION}'s default is "
-            f"{default_block_size()} (its snapshot's engine.json), got {defaults.block_size}"
+            f"{scenario_block_size()} (its snapshot's engine.json), got {defaults.block_size}"
         )
     d.done()
 

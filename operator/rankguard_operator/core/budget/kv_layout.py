@@ -27,8 +27,8 @@ _ATTENTION: frozenset[str] = frozenset({"full", "sliding", "chunked", "mla"})
 # null block; get_kv_cache_configs (v1/core/kv_cache_planning.py) reserves it before the check.
 # Blocks the block pool holds back for good (vLLM >= 0.33's "null block", reserved before the
 # too-small check): a budget must hold one request's blocks PLUS these, or vLLM refuses to start.
-# From the recorded snapshot's engine.json.
-NULL_BLOCKS = vllm_snapshots.latest().null_blocks
+# From the recorded snapshot's engine.json (the last estimate-sized release's, until issue 51).
+NULL_BLOCKS = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE).null_blocks
 # VllmConfig.max_in_flight_tokens (config/vllm.py) = max_concurrent_batches x
 # max_num_batched_tokens: 2 (async scheduling, PP1) x 8192 (engine/arg_utils.py
 # get_batch_defaults, `vllm serve` on an H100/H200-class GPU). Only sliding/chunked layers use it.

@@ -23,8 +23,9 @@ from rankguard_operator.core.units import GiB, MiB
 # Defaults. The KV facts come from the recorded vLLM snapshot (engine.json), not from memory.
 
 # vLLM's block size when --block-size is not given (CacheConfig.DEFAULT_BLOCK_SIZE); rankguard
-# renders --block-size only when the spec sets it, so vLLM's own choice stands otherwise.
-DEFAULT_BLOCK_SIZE = vllm_snapshots.latest().default_block_size
+# renders --block-size only when the spec sets it, so vLLM's own choice stands otherwise. Read
+# from the last estimate-sized release (16 tokens) until issue 51 reads it per engine (0.34: 64).
+DEFAULT_BLOCK_SIZE = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE).default_block_size
 
 # --------------------------------------------------------------------------------------------
 # Priors: used only where a rank has no measurement. Each says where its figure comes from.

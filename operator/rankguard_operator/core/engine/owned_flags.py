@@ -34,8 +34,11 @@ OWNED: dict[str, str | None] = {
     "pipeline_parallel_size": "spec.pipelineParallelSize",
     "kv_cache_memory_bytes": "spec.memory.kvCacheMemoryBytes",
     "gpu_memory_utilization": "spec.memory.gpuMemoryUtilization",
-    # A block-count override silently defeats the per-GPU byte budget rankguard manages.
-    "num_gpu_blocks_override": "spec.memory.kvCacheMemoryBytes",
+    # vLLM 0.34's extensible KV cache (sized after warm-up) on or off: rankguard decides who sizes
+    # the KV cache (core/engine/sizing_mode.py), and pins the bytes when the spec does. (A block
+    # count override, `--num-gpu-blocks-override`, is accepted: the service is measured first and
+    # pinned, core/engine/surface.MEASURE_FIRST.)
+    "enable_extensible_kv_cache": "spec.memory.kvCacheMemoryBytes",
     "max_num_seqs": "spec.engine.maxNumSeqs",
     "max_model_len": "spec.engine.maxModelLen",
     "max_num_batched_tokens": "spec.engine.maxNumBatchedTokens",
@@ -102,6 +105,12 @@ def _owned_message(dest: str, key: str, name: str) -> str:
             f"{flag} is owned by rankguard: it lowers it after a CUDA OOM during CUDA-graph capture "
             "(spec.remediation.levers.minCudaGraphCaptureSize is its floor); to fix the capture "
             "sizes yourself use --cudagraph-capture-sizes, and rankguard leaves them alone"
+        )
+    if dest == "enable_extensible_kv_cache":
+        return (
+            f"{flag} is owned by rankguard: it decides who sizes the KV cache, vLLM after warm-up "
+            "or rankguard in bytes (status.sizing says which and why); to pin the per-GPU budget in "
+            f"bytes set {instead}, and rankguard turns vLLM's measurement off"
         )
     if instead is None:
         return (

@@ -50,6 +50,11 @@ class ServingFlags:
     max_cudagraph_capture_size: `--max-cudagraph-capture-size` (rendered only when set and the
         engine is not eager); None: vLLM's own default.
     enforce_eager: `--enforce-eager` when True; None: spec.engine.enforceEager.
+    engine_measured: the engine sizes its KV cache itself after warm-up (vLLM 0.34's measured
+        sizing, core/engine/sizing_mode.py): never a byte budget; `gpu_memory_utilization`, when
+        set, is rankguard's reserve for what the engine cannot see (core/budget/reserve.py).
+    pinned_after_ooms: rankguard pinned the budget in bytes after the engine-measured levers ran
+        out (the last lever of that mode); kept until the spec's budget inputs change.
     """
 
     kv_cache_memory_bytes: int | None = None
@@ -59,6 +64,8 @@ class ServingFlags:
     max_num_batched_tokens: int | None = None
     max_cudagraph_capture_size: int | None = None
     enforce_eager: bool | None = None
+    engine_measured: bool = False
+    pinned_after_ooms: bool = False
 
     def __post_init__(self) -> None:
         kv = self.kv_cache_memory_bytes
@@ -78,6 +85,11 @@ class ServingFlags:
                 raise FlagsError(f"{name} must be a positive integer, got {v!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise FlagsError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.engine_measured, bool) or not isinstance(self.pinned_after_ooms, bool):
+            raise FlagsError("engine_measured and pinned_after_ooms must be true or false")
+        if self.engine_measured and kv is not None:
+            # --kv-cache-memory-bytes turns the engine's own measurement off (vLLM 0.34)
+            raise FlagsError("an engine-measured KV cache has no byte budget")
 
     @property
     def uses_bytes(self) -> bool:
@@ -85,8 +97,14 @@ class ServingFlags:
         return self.kv_cache_memory_bytes is not None
 
     def with_kv(self, kv_cache_memory_bytes: int) -> ServingFlags:
-        """The same flags with an explicit byte budget (which replaces any utilisation)."""
-        return replace(self, kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=None)
+        """The same flags with an explicit byte budget (which replaces any utilisation, and the
+        engine's own measurement)."""
+        return replace(
+            self,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=None,
+            engine_measured=False,
+        )
 
     def with_memory_limit(self, memory_limit_bytes: int | None) -> ServingFlags:
         return replace(self, memory_limit_bytes=memory_limit_bytes)
@@ -101,7 +119,11 @@ class ServingFlags:
         return tuple(getattr(self, name) for name in LEVER_KEYS)
 
     def budget_text(self) -> str:
-        """The KV budget as the KV-BUDGET column shows it: `27.6Gi`, `util 0.92`, or `vllm default`."""
+        """The KV budget as the KV-BUDGET column shows it: `27.6Gi`, `util 0.92`, `vllm default`,
+        or `measured` (`measured, util 0.93` with a reserve)."""
+        if self.engine_measured:
+            u = self.gpu_memory_utilization
+            return "measured" if u is None else f"measured, util {u:g}"
         if self.kv_cache_memory_bytes is not None:
             return format_bytes(self.kv_cache_memory_bytes)
         if self.gpu_memory_utilization is not None:
@@ -111,7 +133,13 @@ class ServingFlags:
     def describe(self) -> str:
         """One line for Events and messages: `kv-cache-memory-bytes 27.6Gi, max-num-seqs 128,
         enforce-eager, memory limit 64Gi` (every lever that is set)."""
-        if self.kv_cache_memory_bytes is not None:
+        if self.engine_measured:
+            u = self.gpu_memory_utilization
+            parts = [
+                "the KV cache vLLM measures after warm-up"
+                + ("" if u is None else f" (reserve: gpu-memory-utilization {u:g})")
+            ]
+        elif self.kv_cache_memory_bytes is not None:
             parts = [f"kv-cache-memory-bytes {format_bytes(self.kv_cache_memory_bytes)}"]
         elif self.gpu_memory_utilization is not None:
             parts = [f"gpu-memory-utilization {self.gpu_memory_utilization:g}"]
@@ -143,6 +171,10 @@ class ServingFlags:
             v = getattr(self, name)
             if v is not None:
                 doc[key] = v
+        if self.engine_measured:
+            doc["engineMeasured"] = True
+        if self.pinned_after_ooms:
+            doc["pinnedAfterOOMs"] = True
         return doc
 
     @classmethod
@@ -162,9 +194,22 @@ class ServingFlags:
             eager = doc.get(LEVER_KEYS["enforce_eager"])
             if eager is not None and not isinstance(eager, bool):
                 return None
-            if kv is None and util is None and limit is None and eager is None and not any(levers.values()):
+            measured = doc.get("engineMeasured", False)
+            after_ooms = doc.get("pinnedAfterOOMs", False)
+            if not isinstance(measured, bool) or not isinstance(after_ooms, bool):
+                return None
+            if (
+                kv is None
+                and util is None
+                and limit is None
+                and eager is None
+                and not measured
+                and not any(levers.values())
+            ):
                 return None
             return cls(
+                engine_measured=measured,
+                pinned_after_ooms=after_ooms,
                 kv_cache_memory_bytes=kv,
                 gpu_memory_utilization=None if util is None else float(util),
                 memory_limit_bytes=limit,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from rankguard_operator.core.engine.vllm_cli import HELP, VllmCli, Word
 from rankguard_operator.core.units import GiB, format_bytes
+from rankguard_operator.vllm_snapshots import version_key
 
 _NO_HTTP = "nothing would answer HTTP on the port the Service, the probes and the agent use"
 _DP = (
@@ -84,6 +85,15 @@ REFUSED: dict[str, str] = {
     "master_addr": _MULTI_NODE,
     "master_port": _MULTI_NODE,
     "ray_workers_use_nsight": _RAY,
+    # vLLM 0.34
+    "headless_client_handshake_address": (
+        "hands headless engines to another front end (vLLM's Rust front end passes it with --headless, "
+        f"which is refused): {_NO_HTTP}"
+    ),
+    "checkpoint_prepare_on_startup": (
+        "prepares a process checkpoint as the engine starts, which then serves nothing until "
+        "something calls /checkpoint/restore: the pod would never become ready"
+    ),
 }
 
 # dest -> what the planner does not model about it (the service is measured instead)
@@ -116,6 +126,11 @@ MEASURE_FIRST: dict[str, str] = {
     "disable_sliding_window": "sliding-window layers that keep the whole context are not modelled",
     "mamba_cache_dtype": "another dtype for the Mamba state cache is not modelled",
     "mamba_ssm_cache_dtype": "another dtype for the Mamba state cache is not modelled",
+    # what the KV cache holds, fixed on the command line (it also keeps vLLM 0.34 from measuring
+    # its KV cache after warm-up: the sizing mode is pinned, core/engine/sizing_mode.py)
+    "num_gpu_blocks_override": (
+        "--num-gpu-blocks-override fixes the KV cache's block count, whatever the budget"
+    ),
 }
 
 # dest -> host memory in bytes for one value (and whether the figure is per GPU)
@@ -143,6 +158,22 @@ NO_EFFECT: dict[str, str] = {
     "kv_cache_memory_bytes": "owned: spec.memory.kvCacheMemoryBytes",
     "pipeline_parallel_size": "owned: spec.pipelineParallelSize",
     "tensor_parallel_size": "owned: spec.tensorParallelSize",
+}
+
+# Options a vLLM release added that change none of the three things above: dest -> why they are
+# accepted as they are. With REFUSED, MEASURE_FIRST, HOST_MEMORY, NO_EFFECT and the owned flags,
+# every option a newer release adds is ruled on (tests/unit/core/engine/test_surface.py).
+ACCEPTED: dict[str, str] = {
+    # vLLM 0.34
+    "cache_aware_admission_window": "the order waiting requests are admitted in, within the same KV cache",
+    "cache_aware_admission_threshold": "the order waiting requests are admitted in, within the same KV cache",
+    "max_num_inflight_kv_loads": (
+        "caps the requests holding KV blocks for an async KV connector's loads, inside the KV cache "
+        "vLLM sized (the connector itself is --kv-transfer-config, measured first)"
+    ),
+    "shuffle_safetensors_files": (
+        "the order each rank reads the checkpoint's files in; the weights are the same"
+    ),
 }
 
 # The executors a pod can run: vLLM's default multiprocessing one, or none for one GPU.
@@ -195,14 +226,14 @@ def _turned_on(s: Setting) -> bool:
     return s.value.strip().lower() not in ("", "none", "0", "0.0", "false", "auto")
 
 
-def _rules(found: Mapping[str, Setting], tp: int, pp: int) -> list[str]:
+def _rules(found: Mapping[str, Setting], tp: int, pp: int, version: str) -> list[str]:
     """What vLLM checks before it loads anything (its serve-args validation and ParallelConfig)."""
     problems = [
         _api_server_count_problem(found),
         _prefill_context_problem(found),
         _decode_context_problem(found, tp),
         _executor_problem(found, tp * pp),
-        *_companion_problems(found),
+        *_companion_problems(found, version),
         _per_request_metrics_problem(found),
         _keep_alive_problem(found),
     ]
@@ -267,12 +298,24 @@ _NEEDS = (
 )
 
 
-def _companion_problems(found: Mapping[str, Setting]) -> list[str]:
+# From vLLM 0.34 on (config/parallel.py ParallelConfig.__post_init__) a NUMA binding list turns
+# numa_bind on by itself; only an explicit --no-numa-bind beside one is refused.
+_NUMA_LISTS_TURN_BIND_ON = (0, 34, 0)
+
+
+def _companion_problems(found: Mapping[str, Setting], version: str) -> list[str]:
     problems = []
+    lists_bind = (version_key(version) or (0, 0, 0)) >= _NUMA_LISTS_TURN_BIND_ON
     for dest, needs in _NEEDS:
         s = found.get(dest)
         need = found.get(needs)
-        if s is not None and _turned_on(s) and (need is None or not _turned_on(need)):
+        if s is None or not _turned_on(s):
+            continue
+        if lists_bind and needs == "numa_bind":
+            if need is not None and not _turned_on(need):
+                problems.append(f"[{s.at}] {s.key} cannot be combined with {need.key} (vLLM refuses both)")
+            continue
+        if need is None or not _turned_on(need):
             flag = "--" + needs.replace("_", "-")
             problems.append(f"[{s.at}] {s.key} needs {flag} (vLLM refuses to start without it)")
     return problems
@@ -303,7 +346,7 @@ def check_surface(extra_args: Sequence[str], cli: VllmCli, tp: int, pp: int) -> 
         for dest, s in found.items()
         if dest in REFUSED and dest != "prefill_context_parallel_size" and _refuses(dest, s)
     ]
-    problems += _rules(found, tp, pp)
+    problems += _rules(found, tp, pp, cli.version)
     return [f"spec.engine.extraArgs{p}" for p in sorted(problems, key=_position)]
 
 

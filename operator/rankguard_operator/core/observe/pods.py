@@ -128,6 +128,11 @@ class Termination:
     # the engine phase the rank ran out of memory in (the termination message's, one of the
     # agent's termination.PHASES); None: unknown (a log tail, an older agent, no OOM)
     phase: str | None = None
+    # a CUDA OOM's rank: free memory and other processes' memory when its worker began loading
+    # weights in that run (vLLM 0.34's init snapshot, as the agent saw it); None: not seen
+    free_at_load_bytes: int | None = None
+    others_at_load_bytes: int | None = None
+    others_peak_bytes: int | None = None  # the most others held on its GPU, as its agent saw
 
     @property
     def key(self) -> str:
@@ -205,6 +210,9 @@ def _classify(terminated: Mapping[str, Any], *, group_pod: bool = False) -> dict
             "startup_refusal": msg.startup_check,
             "external_weight_bytes": msg.external_weight_bytes if msg.startup_check else None,
             "phase": msg.phase,
+            "free_at_load_bytes": msg.free_at_load_bytes,
+            "others_at_load_bytes": msg.others_at_load_bytes,
+            "others_peak_bytes": msg.others_peak_bytes,
         }
     # The host cgroup's verdict wins: when the kernel OOM-killed the container, whatever the
     # launcher managed to write (usually "Signaled") is a consequence, not the cause.

@@ -29,10 +29,17 @@ from rankguard_operator.core.policy.headroom_rules import (
     rule_replan,
 )
 from rankguard_operator.core.policy.initial import initial_decision
+from rankguard_operator.core.policy.measured import (
+    measured_initial,
+    pinned_start,
+    rule_cuda_oom_measured,
+    rule_kv_too_small_measured,
+)
 from rankguard_operator.core.policy.tunables import (
     LOW_HEADROOM_SUSTAIN_SECONDS,
     T_INITIAL,
     T_LOW_HEADROOM,
+    T_SIZING_CHANGED,
     T_SPEC_CHANGED,
 )
 from rankguard_operator.core.units import format_bytes
@@ -93,13 +100,49 @@ RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ..
 )
 
 
+# An engine that measures its own KV cache (vLLM 0.34): its own OOM rules, no headroom rules
+# (core/policy/measured.py says why)
+MEASURED_RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ...] = (
+    rule_cuda_oom_measured,
+    rule_kv_too_small_measured,
+    rule_oom_killed,
+    rule_rollout_failed,
+    rule_engine_error,
+    rule_engine_crash_loop,
+)
+
+
+def _first(inp: PolicyInput, trigger: str, measured: bool) -> Decision:
+    return measured_initial(inp, trigger) if measured else initial_decision(inp, trigger)
+
+
+def _mode_start(inp: PolicyInput, measured: bool) -> Decision:
+    return measured_initial(inp, T_SIZING_CHANGED) if measured else pinned_start(inp, T_SIZING_CHANGED)
+
+
+def _mode_changed(inp: PolicyInput, measured: bool) -> Decision:
+    """The sizing mode moved (an image to or from 0.34, a node without VMM, a connector): the
+    first flags of the new mode, said with why (one roll)."""
+    d = _mode_start(inp, measured)
+    sizing = inp.sizing
+    assert sizing is not None
+    # measured_initial's own message opens with the mode's: said once
+    rest = d.message.removeprefix(sizing.message).lstrip("; ")
+    return replace(
+        d, reason=T_SIZING_CHANGED, message=f"sizing mode now {sizing.mode} ({sizing.message}); {rest}"
+    )
+
+
 def decide(inp: PolicyInput) -> Decision:
     """The one decision for this moment. Deterministic; see the module docstring for the rules."""
     cur = inp.current
+    measured = inp.sizing is not None and inp.sizing.engine_measured
     if cur is None:
-        return initial_decision(inp, T_INITIAL)
+        return _first(inp, T_INITIAL, measured)
+    if inp.sizing is not None and cur.engine_measured != measured:
+        return _mode_changed(inp, measured)
     if inp.budget_key is not None and inp.budget_key != budget_key(inp.spec):
-        return initial_decision(inp, T_SPEC_CHANGED)
+        return _first(inp, T_SPEC_CHANGED, measured)
 
     superseded_keys = [t.key for t in inp.new_terminations if superseded(t, cur)]
     rel = [t for t in inp.new_terminations if not superseded(t, cur)]
@@ -113,7 +156,7 @@ def decide(inp: PolicyInput) -> Decision:
     ]
 
     decision: Decision | None = None
-    for rule in RULES:
+    for rule in MEASURED_RULES if measured else RULES:
         decision = rule(inp, rel)
         if decision is not None:
             break

@@ -8,7 +8,9 @@ from typing import Literal
 
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.engine.sizing_mode import SizingMode
 from rankguard_operator.core.observe.headroom import Observation
+from rankguard_operator.core.observe.outside_memory import Outside
 from rankguard_operator.core.observe.pods import CUDA_OOM, OOM_KILLED, RolloutState, Termination
 from rankguard_operator.core.policy.history import Remediation
 from rankguard_operator.core.spec.parse import ServiceSpec
@@ -28,6 +30,9 @@ Action = Literal[
     "lower-num-seqs",
     "lower-capture-size",
     "enforce-eager",
+    # an engine that measures its own KV cache (core/policy/measured.py)
+    "raise-reserve",
+    "pin-budget",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -45,11 +50,14 @@ class PolicyInput:
     rollout: RolloutState | None = None
     history: Sequence[Remediation] = ()
     plan: Plan | None = None  # budget.bounds.initial_plan(spec, measured=...) or None
+    prior: Plan | None = None  # the plan from priors (a fresh start's); None: as `plan`
     low_headroom_since: float | None = None  # track_low_headroom
     ample_headroom_since: float | None = None  # track_ample_headroom
     ample_headroom_lowest: int | None = None  # track_ample_lowest: the stretch's least free bytes
     budget_key: str | None = None  # budget.bounds.budget_key(spec) when `current` was chosen; None: unknown
     node_memory_bytes: int | None = None  # the node's allocatable memory, a cap for raising the limit
+    sizing: SizingMode | None = None  # who sizes the KV cache (None: rankguard, as before vLLM 0.34)
+    outside: Outside | None = None  # what the engine cannot see (core/observe/outside_memory.py)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ def same_budget(a: ServingFlags, b: ServingFlags) -> bool:
     return (
         a.kv_cache_memory_bytes == b.kv_cache_memory_bytes
         and a.gpu_memory_utilization == b.gpu_memory_utilization
+        and a.engine_measured == b.engine_measured
     )
 
 

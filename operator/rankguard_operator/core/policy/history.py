@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
-from rankguard_operator.core.policy.tunables import LEVER_FIELDS, LEVERS
+from rankguard_operator.core.policy.tunables import LEVER_FIELDS, LEVERS, MEASURED_LEVERS
 from rankguard_operator.core.units import QuantityError, format_quantity, iso, parse_bytes, parse_iso
 
 # Decision actions -> the CRD's action names.
@@ -32,6 +32,8 @@ STATUS_ACTIONS: dict[str, str] = {
     "lower-num-seqs": "LowerMaxNumSeqs",
     "lower-capture-size": "LowerCudaGraphCaptureSize",
     "enforce-eager": "EnforceEager",
+    "raise-reserve": "RaiseReserve",
+    "pin-budget": "PinBudget",
 }
 # ... and back: one action per name ("degrade" writes its change as the shrink it is)
 _FROM_STATUS_ACTIONS = {name: action for action, name in STATUS_ACTIONS.items() if action != "degrade"}
@@ -101,7 +103,7 @@ class Remediation:
         if t is None:
             return None
         action = _FROM_STATUS_ACTIONS.get(str(doc.get("action")), str(doc.get("action") or ""))
-        lever = doc.get("lever") if doc.get("lever") in LEVERS else None
+        lever = doc.get("lever") if doc.get("lever") in (*LEVERS, *MEASURED_LEVERS) else None
         phase = doc.get("phase")
         field = LEVER_FIELDS.get(lever or "", "kv_cache_memory_bytes")
         # another lever's from/to are its own values, never a budget or a limit

@@ -28,7 +28,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -281,15 +281,23 @@ def _ordinal(i: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(i, f"{i}th")
 
 
-def lever_decision(inp: PolicyInput, worst: Termination, what: str, handled: Sequence[str]) -> Decision:
-    """Rule 1 for a CUDA OOM whose phase is known and is not the KV allocation's."""
+def lever_decision(
+    inp: PolicyInput,
+    worst: Termination,
+    what: str,
+    handled: Sequence[str],
+    ladders: Mapping[str, tuple[str, ...]] = LADDERS,
+) -> Decision | None:
+    """Rule 1 for a CUDA OOM whose phase is known and is not the KV allocation's. With `ladders`
+    other than the budget's (an engine that measures its own KV cache: core/policy/measured.py),
+    None when no lever is left: the caller takes its own last lever."""
     cur = inp.current
     assert cur is not None and worst.phase is not None
     phase = worst.phase
     why = f"{what} {PHASE_TEXT.get(phase, f'in phase {phase}')}"
     if phase == tm.PHASE_WEIGHTS:
         return weights_decision(inp, worst, why, handled)
-    ladder = LADDERS[phase]
+    ladder = ladders[phase]
     run = escalation_run(inp.history, phase, inp.now)
     skipped: list[str] = []
     for lever in next_levers(ladder, run):
@@ -325,6 +333,8 @@ def lever_decision(inp: PolicyInput, worst: Termination, what: str, handled: Seq
             lever=lever,
             lever_from=m.old,
         )
+    if ladders is not LADDERS:
+        return None
     tried = ", ".join(_moved(h) for h in reversed(run))
     after = f", again after rankguard moved {tried}" if tried else ""
     return make_decision(

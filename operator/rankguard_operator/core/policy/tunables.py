@@ -47,6 +47,7 @@ ESCALATION_WINDOW_SECONDS = 3600.0
 # Triggers (the "why") and the CRD's action names for the history.
 T_INITIAL = "Initial"
 T_SPEC_CHANGED = "SpecChanged"
+T_SIZING_CHANGED = "SizingModeChanged"
 T_CUDA_OOM = "CUDAOutOfMemory"
 T_KV_TOO_SMALL = "KVCacheTooSmall"
 T_OOM_KILLED = "OOMKilled"
@@ -68,6 +69,12 @@ LEVER_SEQS = "max-num-seqs"
 LEVER_CAPTURE = "max-cudagraph-capture-size"
 LEVER_EAGER = "enforce-eager"
 LEVERS = (LEVER_KV, LEVER_BATCHED, LEVER_SEQS, LEVER_CAPTURE, LEVER_EAGER)
+# ... and an engine-measured service's own (core/policy/measured.py): the reserve for other
+# processes, the reserve learned for a KV connector's buffers, and pinning the budget last
+LEVER_RESERVE = "reserve"
+LEVER_CONNECTOR = "connector-reserve"
+LEVER_PIN = "pin-budget"
+MEASURED_LEVERS = (LEVER_RESERVE, LEVER_CONNECTOR, LEVER_PIN)
 # lever -> its ServingFlags field (the KV budget's is kv_cache_memory_bytes)
 LEVER_FIELDS: dict[str, str] = {
     LEVER_KV: "kv_cache_memory_bytes",

@@ -133,6 +133,8 @@ def budget_source(
     measured (a plan with probe figures) or planned (a plan from priors)."""
     if spec.memory.pinned:
         return "pinned"
+    if flags.engine_measured:
+        return "engine-measured"
     if flags.kv_cache_memory_bytes is None:
         return "utilization"
     last = last_remediation
@@ -166,6 +168,11 @@ def budget_status(
         doc["kvCacheMemoryBytes"] = kv
         if plan is not None:
             doc["gpuMemoryUtilization"] = equivalent_utilization(plan, kv)
+    elif flags.engine_measured:
+        # the engine sized it after warm-up: its own figures are in status.sizing, not a plan's guess
+        if flags.gpu_memory_utilization is not None:
+            doc["gpuMemoryUtilization"] = flags.gpu_memory_utilization
+        return doc
     elif flags.gpu_memory_utilization is not None:
         doc["gpuMemoryUtilization"] = flags.gpu_memory_utilization
         if plan is not None:
@@ -323,6 +330,8 @@ def _budget_planned(flags: ServingFlags | None) -> _Said:
         return ("Unknown", "NotRendered", "no flags rendered yet")
     if flags.kv_cache_memory_bytes is not None:
         return ("True", "ExplicitBudget", f"per-GPU KV budget {flags.budget_text()}")
+    if flags.engine_measured:
+        return ("True", "EngineMeasured", f"running {flags.describe()}")
     return ("False", "Utilization", f"running {flags.describe()} until a budget is known")
 
 

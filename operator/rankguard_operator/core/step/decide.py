@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rankguard_operator.core import policy
-from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.effects import Effect, PostEvent, WriteIntent
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy.history import STATUS_ACTIONS, history_from_status
@@ -24,6 +23,7 @@ from rankguard_operator.core.status.build import append_history
 from rankguard_operator.core.status.service_state import PendingRemediation, ServiceState
 from rankguard_operator.core.step.observed import Observed
 from rankguard_operator.core.step.rendering import Live, Renderer, apply
+from rankguard_operator.core.step.sizing import Sized
 from rankguard_operator.core.units import iso
 
 
@@ -34,7 +34,7 @@ def decide(
     *,
     current: ServingFlags | None,
     seen: Observed,
-    plan: Plan | None,
+    sized: Sized,
     history: list[dict[str, Any]],
 ) -> policy.Decision:
     return policy.decide(
@@ -47,11 +47,14 @@ def decide(
             new_terminations=seen.terminations,
             rollout=seen.rollout,
             history=history_from_status(history),
-            plan=plan,
+            plan=sized.plan,
+            prior=sized.prior,
             low_headroom_since=seen.low_since,
             ample_headroom_since=seen.ample_since,
             ample_headroom_lowest=seen.ample_lowest,
             budget_key=state.budget_key if current is not None else None,
+            sizing=sized.mode,
+            outside=sized.outside,
         )
     )
 

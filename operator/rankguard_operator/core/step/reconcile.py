@@ -46,6 +46,7 @@ from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
+from rankguard_operator.core.status.sizing import sizing_status
 from rankguard_operator.core.step import surroundings
 from rankguard_operator.core.step.decide import Acted, act, decide
 from rankguard_operator.core.step.keep import Kept, keep
@@ -136,7 +137,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         deployment=done.live.deployment,
     )
     try:
-        sized = size(state, world, spec, known, seen)
+        sized = size(state, world, spec, known, seen, current=done.current)
     except SpecError as e:
         return _refused(state, world, e)
     # what this pass learned renders from here on: the plan, the engine's start-up, the model
@@ -148,7 +149,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         shape=sized.model.spec_shape,
     )
     decision = decide(
-        state, spec, world.now, current=done.current, seen=seen, plan=sized.plan, history=done.history
+        state, spec, world.now, current=done.current, seen=seen, sized=sized, history=done.history
     )
     acted = act(
         decision,
@@ -205,4 +206,5 @@ def _updates(done: Finished, sized: Sized, acted: Acted, kept: Kept) -> dict[str
         updates["gpuMemoryBytes"] = sized.gpu_learned
     if kept.workload_hash is not None:
         updates["workloadHash"] = kept.workload_hash
+    updates["sizing"] = sizing_status(sized.mode, sized.outside, acted.current)
     return updates

@@ -1,5 +1,6 @@
 """What the pass plans with: the model as the agents read it, the engine as it reports itself,
-the GPU's size, and the measured plan the policy decides with.
+the GPU's size, the measured plan the policy decides with, and who sizes the KV cache (vLLM 0.34
+measures its own after warm-up: core/engine/sizing_mode) with what the engine cannot see.
 
 The plan is computed here once per pass (the prior plan for rendering, the measured plan for
 the policy and status); nothing downstream plans again. A budget no start can have is refused
@@ -17,8 +18,12 @@ from rankguard_operator.core.budget.bounds import measured_plan, prior_plan
 from rankguard_operator.core.budget.fits import check_budget_fits, gpu_size
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes, slice_bytes
 from rankguard_operator.core.budget.planner import Plan
+from rankguard_operator.core.engine.rules import rules_for
+from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.engine.sizing_mode import ModeFacts, SizingMode, sizing_mode
 from rankguard_operator.core.model.resolve import LearnedModel, ModelResolution, learned_from_report, resolve
 from rankguard_operator.core.observe.headroom import ReportInput, gpu_totals, learned_gpu_bytes
+from rankguard_operator.core.observe.outside_memory import Outside, kept, outside
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.status.engine import EngineView, engine_view
 from rankguard_operator.core.status.service_state import ServiceState
@@ -34,6 +39,8 @@ class Sized:
     engine: EngineView
     plan: Plan | None  # the measured plan the policy decides with
     gpu_learned: int | None  # one GPU's size, newly measured this pass (status.gpuMemoryBytes)
+    mode: SizingMode  # who sizes the KV cache (status.sizing)
+    outside: Outside  # what the engine cannot see, and what it said of its measurement
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,21 @@ class Known:
     key: str  # the budget key (core/budget/bounds.budget_key)
 
 
-def size(state: ServiceState, world: World, spec: ServiceSpec, known: Known, seen: Observed) -> Sized:
-    """Raises SpecError when what was learned makes the budget impossible."""
+def size(
+    state: ServiceState,
+    world: World,
+    spec: ServiceSpec,
+    known: Known,
+    seen: Observed,
+    *,
+    current: ServingFlags | None = None,
+) -> Sized:
+    """Raises SpecError when what was learned makes the budget impossible. `current`: the flags
+    in effect (a budget rankguard pinned after OOMs keeps the mode pinned)."""
     learned, model, prior = _learn_model(state, world, spec, known, seen.reports)
     engine = engine_view(state, spec, seen.observation, known.key, seen.terminations)
+    found = outside(seen.reports, kept(state.raw.get("sizing")))
+    mode = _mode(spec, engine.version, found, current)
     gpu = state.gpu_memory_bytes
     measured = learned_gpu_bytes(
         seen.observation, spec.world_size, [t.total_bytes for t in seen.terminations]
@@ -72,7 +90,25 @@ def size(state: ServiceState, world: World, spec: ServiceSpec, known: Known, see
         # no priors to render from: the plan from vLLM's own per-worker report stands in (kept
         # in status.engine per budget key, so it does not move with live load)
         prior = plan
-    return Sized(model, learned, prior, engine, plan, gpu_learned)
+    return Sized(model, learned, prior, engine, plan, gpu_learned, mode, found)
+
+
+def _mode(spec: ServiceSpec, version: str | None, found: Outside, current: ServingFlags | None) -> SizingMode:
+    """The mode by the rules of the engine that runs (or the image's tag before one reports)."""
+    rules = rules_for(version)
+    return sizing_mode(
+        pinned_by_user=spec.memory.pinned,
+        extra_args=spec.engine.extra_args,
+        cli=rules.cli,
+        facts=ModeFacts(
+            version=rules.version,
+            extensible=rules.snapshot.engine.get("extensible_kv_cache"),
+            vmm=found.vmm,
+            imex_channel=found.imex_channel,
+            engine_disabled=found.engine_disabled,
+            fallen_back=current is not None and current.pinned_after_ooms,
+        ),
+    )
 
 
 def _learn_model(

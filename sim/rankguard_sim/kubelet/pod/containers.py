@@ -45,6 +45,7 @@ from rankguard_sim.kubelet.pod.status import (
 from rankguard_sim.kubelet.probes import ProbeTimer, parse_probe
 from rankguard_sim.physics import gpus as simgpus
 from rankguard_sim.physics.scenario_file import SCENARIO_ENV
+from rankguard_sim.vllm_snapshot import ENGINE_VERSION_ENV, image_engine_version
 
 log = logging.getLogger("rankguard_sim.kubelet")
 
@@ -221,6 +222,10 @@ class PodContainers(threading.Thread):
             env[simgpus.GPU_ROOT_ENV] = str(k.gpu_root)
         if k.scenario:
             env[SCENARIO_ENV] = k.scenario
+        engine = image_engine_version(str(slot.spec.get("image", "")))
+        if engine is not None:  # the release its fake vLLM (and its python's metadata) plays
+            env[ENGINE_VERSION_ENV] = engine
+        env[simgpus.IMEX_CHANNELS_GLOB_ENV] = self._imex_channels()
         env.update(k.extra_env)
         env.update(k.take_start_fault(slot.name))
         env[HOST_MEMORY_ENV] = str(memory_file)
@@ -232,6 +237,18 @@ class PodContainers(threading.Thread):
         if not cwd.is_dir():
             cwd = self.dir / "rootfs"
         return [executable, *(pm.arg(a) for a in argv[1:])], env, cwd
+
+    def _imex_channels(self) -> str:
+        """The pod's IMEX channel folder's glob: a channel file when its node grants one (most
+        clusters grant none: an IMEX channel comes from a ComputeDomain)."""
+        folder = self.dir / "imex-channels"
+        folder.mkdir(parents=True, exist_ok=True)
+        channel = folder / "channel0"
+        if self.kubelet.imex_channel:
+            channel.touch()
+        else:
+            channel.unlink(missing_ok=True)
+        return str(folder / "channel*")
 
     # -- starting, exiting, restarting, stopping ------------------------------------------
 

@@ -24,6 +24,7 @@ class PodNode(Protocol):
     image_bin: Path
     scenario: str | None
     extra_env: dict[str, str]
+    imex_channel: bool  # its pods can open an IMEX channel
     backoff_base: float
     backoff_cap: float
     grace_cap: float

@@ -31,6 +31,7 @@ class FakeGpu:
     fail_memory: str | None = None  # name of the NVML error the memory call raises
     fail_handle: str | None = None
     procs: list[tuple[int, int | None]] = field(default_factory=list)
+    fail_procs: str | None = None  # name of the NVML error the process list raises
 
 
 def fake_nvml(gpus: list[FakeGpu], v2: str | None = "ok", init_error: str | None = None) -> Any:
@@ -86,6 +87,8 @@ def fake_nvml(gpus: list[FakeGpu], v2: str | None = "ok", init_error: str | None
         return types.SimpleNamespace(total=h.total, free=h.free, used=h.total - h.free)
 
     def procs(h: FakeGpu) -> list[Any]:
+        if h.fail_procs:
+            raise err(h.fail_procs)
         return [types.SimpleNamespace(pid=p, usedGpuMemory=u) for p, u in h.procs]
 
     def shutdown() -> None:
@@ -281,3 +284,13 @@ def test_error_names() -> None:
     nvml = fake_nvml([])
     assert error_name(nvml.NVMLError_GpuIsLost()) == "GpuIsLost"
     assert error_name(OSError("boom")) == "OSError: boom"
+
+
+def test_a_process_list_that_cannot_be_read_is_unknown_not_empty() -> None:
+    """The sampler must not read "NVML could not list them" as "no process": the pod's own
+    memory would then pass for someone else's (others.py)."""
+    gpus = [FakeGpu("GPU-1111", procs=[(100, 5 * GIB)]), FakeGpu("GPU-2222", fail_procs="NotSupported")]
+    b = NvmlBackend(fake_nvml(gpus), {})
+    assert [(p.pid, p.used_bytes) for p in b.listed_processes(0) or []] == [(100, 5 * GIB)]
+    assert b.listed_processes(1) is None
+    assert b.processes(1) == []  # the protocol's answer where unknown

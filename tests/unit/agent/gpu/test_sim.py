@@ -127,3 +127,28 @@ def test_backend_selection(root: Path) -> None:
         open_backend("sim", {})
     with pytest.raises(GpuUnavailable, match="not a directory"):
         SimBackend(root / "nowhere", {})
+
+
+def test_processes_are_one_entry_per_live_process(root: Path) -> None:
+    """As NVML lists them: a process's allocations of every tag summed, the dead left out."""
+    write_proc(root, "GPU-aaaa", "vllm", 30 * GIB)
+    write_proc(root, "GPU-aaaa", "graphs", 2 * GIB)
+    write_proc(root, "GPU-aaaa", "ghost", 7 * GIB, pid=dead_pid())
+    b = SimBackend(root, {})
+    assert [(p.pid, p.used_bytes) for p in b.processes(0)] == [(os.getpid(), 32 * GIB)]
+    remove_proc(root, "GPU-aaaa", "graphs")
+    assert [(p.pid, p.used_bytes) for p in b.processes(0)] == [(os.getpid(), 30 * GIB)]
+
+
+def test_vmm_is_the_device_docs_and_true_when_an_older_doc_lacks_it(root: Path) -> None:
+    assert read_device(root, "GPU-aaaa").vmm is True
+    assert json.loads((root / "GPU-aaaa" / "device.json").read_text())["vmm"] is True
+    assert SimBackend(root, {}).vmm_supported() is True
+    write_device(root, "GPU-bbbb", index=1, total_bytes=80 * GIB, vmm=False)
+    assert SimBackend(root, {}).vmm_supported() is False
+    assert SimBackend(root, {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa"}).vmm_supported() is True
+    older = json.loads((root / "GPU-bbbb" / "device.json").read_text())
+    del older["vmm"]
+    (root / "GPU-bbbb" / "device.json").write_text(json.dumps(older))
+    assert read_device(root, "GPU-bbbb").vmm is True
+    assert SimBackend(root, {"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb,GPU-gone"}).vmm_supported() is None

@@ -9,6 +9,7 @@ import pytest
 
 from rankguard_agent.wire.change import MAX_LINES, clean_token, news, parse_lines
 from rankguard_agent.wire.report import KVLine, RankSample, Report
+from rankguard_agent.wire.report_memory import OtherProcess, WarmupMemory
 
 GIB = 1 << 30
 TOTAL = 80 * GIB
@@ -62,6 +63,9 @@ def test_a_tiny_move_across_a_line_is_news_and_the_same_move_without_lines_is_no
         {"engine_version": "0.33.0"},
         {"sampler_ok": False},
         {"unparsed_lines": {"worker_prefix": 1}},
+        {"vmm": False},
+        {"imex_channel": True},
+        {"extensible_disabled": "the driver does not support virtual memory management"},
     ],
 )
 def test_anything_beyond_the_memory_figures_is_news(change: dict[str, object]) -> None:
@@ -90,3 +94,44 @@ def test_a_token_is_kept_only_when_short_and_printable() -> None:
     assert clean_token("a1b2c3d4-17") == "a1b2c3d4-17"
     assert clean_token(None) is None and clean_token("") is None
     assert clean_token("x" * 65) is None and clean_token("a b") is None and clean_token("é") is None
+
+
+def others(r: Report, **kw: object) -> Report:
+    """`r` with its rank 0's others fields set (and a later timestamp)."""
+    return dataclasses.replace(r, timestamp=r.timestamp + 60, ranks=[dataclasses.replace(r.ranks[0], **kw)])  # type: ignore[arg-type]
+
+
+def test_others_on_the_gpu_are_figures_news_only_beyond_a_percent() -> None:
+    quantum = TOTAL // 100
+    base = others(report(10 * GIB), others_bytes=5 * GIB, others_peak_bytes=6 * GIB)
+    assert news(base, others(base, others_bytes=5 * GIB + quantum)) is None
+    assert news(base, others(base, others_bytes=5 * GIB + quantum + 1)) == (
+        "rank 0: others_bytes changed by more than 1% of its GPU"
+    )
+    assert news(base, others(base, others_peak_bytes=7 * GIB)) is not None
+    assert news(base, others(base, others_bytes=None)) is not None  # became unknown
+    assert news(others(base, others_bytes=None), base) is not None  # became known
+
+
+def test_the_processes_named_are_news_when_they_change_not_when_they_swap_places() -> None:
+    a, b = OtherProcess(41, "python3", 3 * GIB), OtherProcess(42, "ollama", 3 * GIB + 1)
+    base = others(report(10 * GIB), others_bytes=6 * GIB + 1, others=[b, a])
+    assert news(base, others(base, others=[a, b])) is None
+    assert news(base, others(base, others=[b])) == "rank 0: other processes on its GPU changed"
+    assert news(base, others(base, others=[b, OtherProcess(41, "python3", 5 * GIB)])) is not None
+
+
+def test_a_ranks_warmup_line_is_news() -> None:
+    warmup = WarmupMemory(1, 2, 3, 3, 1, 4, 5, 6, 7)
+    before = report(10 * GIB)
+    assert news(before, others(before, warmup=warmup)) == "rank 0 changed"
+
+
+def test_the_load_figures_are_news_once_when_they_change() -> None:
+    """Set once per engine start: news then (however small), and not again while they stay."""
+    before = report(10 * GIB)
+    marked = others(before, free_at_load_bytes=70 * GIB, others_at_load_bytes=0)
+    assert news(before, marked) == "rank 0 changed"
+    assert news(marked, dataclasses.replace(marked, timestamp=marked.timestamp + 60)) is None
+    assert news(marked, others(marked, free_at_load_bytes=70 * GIB + 1)) == "rank 0 changed"
+    assert news(marked, others(marked, others_at_load_bytes=None)) == "rank 0 changed"

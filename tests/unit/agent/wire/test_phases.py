@@ -1,7 +1,9 @@
 """The engine's phase an OOM happened in, per rank: markers and traceback frames (wire/phases.py).
 
-Every marker and OOM line is rendered from the recorded vLLM 0.33 snapshot (formats.json), never
-typed here, so a vLLM that rewords one fails here once its snapshot is recorded.
+Every marker and OOM line is rendered from a recorded vLLM snapshot (formats.json), never typed
+here, so a vLLM that rewords one fails here once its snapshot is recorded: 0.33's start-up order
+(the last release sized from estimates), and the start-up of the newest release that measures its
+KV cache after warm-up (0.34: load, reserve, capture & warm-up, measure, extend, serve).
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ from rankguard_operator import vllm_snapshots
 from rankguard_sim.fake_vllm.console import Console, failure_lines
 from rankguard_sim.physics.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
 
-SNAP = vllm_snapshots.latest()
+SNAP = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE)
+MEASURED = next(
+    vllm_snapshots.load(v) for v in reversed(vllm_snapshots.versions()) if vllm_snapshots.load(v).extensible
+)
+RELEASES = [vllm_snapshots.load(v) for v in vllm_snapshots.versions()]
 GIB = 1 << 30
 _PLACEHOLDER = re.compile(r"%(?:\.\d+)?([sdf])")
 
 
-def messages(key: str) -> list[dict[str, Any]]:
-    found = SNAP.messages(key)
-    assert found, f"the snapshot has no {key!r} message"
+def messages(key: str, snap: vllm_snapshots.Snapshot = SNAP) -> list[dict[str, Any]]:
+    found = snap.messages(key)
+    assert found, f"the vLLM {snap.version} snapshot has no {key!r} message"
     return found
 
 
@@ -63,22 +69,69 @@ def logged(msg: dict[str, Any], who: str = "Worker_TP0 pid=77") -> str:
     return f"({who}) INFO 12-01 10:00:00 [{where}] {render(msg)}"
 
 
-def marker(key: str, who: str = "Worker_TP0 pid=77") -> str:
-    return logged(messages(key)[0], who)
+def marker(key: str, who: str = "Worker_TP0 pid=77", snap: vllm_snapshots.Snapshot = SNAP) -> str:
+    return logged(messages(key, snap)[0], who)
 
 
 CORE = "EngineCore_DP0 pid=9"
 
 
+@pytest.mark.parametrize("snap", RELEASES, ids=lambda s: s.version)
 @pytest.mark.parametrize(("key", "phase"), [(k, p) for k, _, p in MARKERS])
-def test_every_recorded_marker_template_gives_its_phase(key: str, phase: str) -> None:
-    for msg in messages(key):
+def test_every_recorded_marker_template_gives_its_phase(
+    snap: vllm_snapshots.Snapshot, key: str, phase: str
+) -> None:
+    """In every recorded release: a marker it lacks is listed as absent with the reason."""
+    found = snap.messages(key)
+    assert found or key in snap.absent, f"vLLM {snap.version}: {key!r} is neither recorded nor absent"
+    for msg in found:
         assert marker_phase(logged(msg)) == phase, msg
         assert marker_phase(render(msg)) == phase  # without vLLM's prefix too
 
 
 def test_the_markers_cover_every_phase_and_only_phases() -> None:
     assert {p for _, _, p in MARKERS} == set(PHASES)
+    for snap in (SNAP, MEASURED):  # each start-up order has a marker for every phase
+        assert {p for k, _, p in MARKERS if snap.messages(k)} == set(PHASES), snap.version
+
+
+# vLLM 0.34's start-up with its extensible KV cache, in its order (rendered from its snapshot):
+# each line, who prints it, and the phase every rank is in from it on.
+MEASURED_STARTUP = [
+    ("model_load_start_v2", CORE, PHASE_WEIGHTS),  # load (logged once, for every rank)
+    ("model_loading", "Worker_TP0 pid=77", PHASE_PROFILE),
+    ("available_kv_memory", "Worker_TP0 pid=77", PHASE_KV_ALLOCATION),  # reserve the address range
+    ("cuda_graph_capture_bar", "Worker_TP0 pid=77", PHASE_CUDA_GRAPHS),  # capture & warm-up
+    ("cuda_graph_captured", "Worker_TP0 pid=77", PHASE_SAMPLER_WARMUP),
+    ("memory_after_warmup", "Worker_TP0 pid=77", PHASE_KV_ALLOCATION),  # measured: extend next
+    ("kv_cache_size", CORE, PHASE_KV_ALLOCATION),  # the minimum over ranks
+    ("extensible_kv_extended", "Worker_TP0 pid=77", PHASE_KV_ALLOCATION),
+    ("init_engine_took", CORE, PHASE_SERVING),  # serve
+]
+
+
+def test_the_measured_start_up_is_phased_in_its_order() -> None:
+    assert MEASURED.extensible is not None and SNAP.extensible is None
+    tracker = PhaseTracker(WorkerRanks(ParallelSizes(tp=1), 1).rank_of)
+    seen = []
+    for key, who, _ in MEASURED_STARTUP:
+        tracker.on_line(marker(key, who, MEASURED))
+        seen.append(tracker.phase(0))
+    assert seen == [phase for _, _, phase in MEASURED_STARTUP]
+    # the lines are the measured release's own: the estimate-sized release has none of these two
+    assert {"memory_after_warmup", "extensible_kv_extended"} <= set(SNAP.absent)
+    # and the V1 runner's markers it removed are absent with the reason, never silently missing
+    for key in ("model_load_start", "cuda_graph_profiling", "cuda_graph_capture_untraced"):
+        assert key in MEASURED.absent and MEASURED.messages(key) == []
+
+
+@pytest.mark.parametrize("oom_at", range(len(MEASURED_STARTUP)))
+def test_a_measured_start_up_oom_gets_the_phase_of_the_line_before_it(oom_at: int) -> None:
+    lines = [marker(key, who, MEASURED) for key, who, _ in MEASURED_STARTUP[: oom_at + 1]]
+    oom = f"(Worker_TP0 pid=77) ERROR 12-01 10:00:01 [x.py:1] {oom_lines()[0]}"
+    seen = _observe([*lines, oom])
+    assert isinstance(seen.cause, CudaOom)
+    assert seen.cause_phase == MEASURED_STARTUP[oom_at][2]
 
 
 def _frame(func: str, path: str = "v1/worker/gpu_worker.py") -> str:
@@ -183,6 +236,13 @@ def test_every_oom_gets_the_phase_of_its_traceback(phase: str, oom: str) -> None
         # execute_model inside a warm-up is not serving
         (["compile_or_warm_up_model", "warmup_kernels", "execute_model"], None),
         (["execute_model", "sample_tokens"], PHASE_SERVING),
+        # vLLM 0.34: the sizing warm-up runs the largest steps through execute_model (not serving),
+        # and the measured size is committed on every worker
+        (
+            ["compile_or_warm_up_model", "run_kv_cache_sizing_warmup", "execute_model", "forward"],
+            PHASE_PROFILE,
+        ),
+        (["_initialize_kv_caches", "extend_kv_cache", "extend_kv_cache", "commit"], PHASE_KV_ALLOCATION),
         (["init_device", "request_memory"], None),
         ([], None),
     ],

@@ -52,12 +52,19 @@ def format_gib(b: int) -> float:
     return round(b / GIB, 2)
 
 
+# vLLM 0.34 ends its KV refusals with a hint of its own making (`_more_kv_cache_memory_hint`, a
+# trailing field the older releases' templates wrote out): a sample of it, where a template has one.
+HINT = "Try increasing `gpu_memory_utilization` when initializing the engine."
+
+
 def render(msg: dict[str, Any], values: Sequence[object]) -> str:
+    if msg["style"] == "format" and msg["exprs"] and msg["exprs"][-1] == "hint":
+        values = (*values, HINT)
     if msg["style"] == "percent":
         return str(msg["template"]) % tuple(values)
     if msg["style"] == "format":
         return str(msg["template"]).format(*values)
-    assert msg["style"] == "plain" and not values
+    assert msg["style"] == "plain" and not values, msg
     return str(msg["template"])
 
 

@@ -122,8 +122,11 @@ def test_an_unknown_engine_version_falls_back_to_the_nearest_snapshot_and_says_s
     assert step.decision is not None  # the operator carries on
     rules = next(x for x in c.status["conditions"] if x["type"] == "EngineRules")
     assert (rules["status"], rules["reason"]) == ("False", "NearestSnapshot")
-    assert "0.99.1" in rules["message"] and "0.33.0" in rules["message"]
-    assert c.status["engine"]["rules"] == "0.33.0"
+    from rankguard_operator import vllm_snapshots
+
+    newest = vllm_snapshots.latest().version
+    assert "0.99.1" in rules["message"] and newest in rules["message"]
+    assert c.status["engine"]["rules"] == newest
 
 
 def test_a_start_up_refusal_teaches_the_gpu_size_when_no_report_could() -> None:

@@ -4,16 +4,21 @@ resolution, device narrowing and sampler warm-up match vLLM's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rankguard_sim.fake_vllm import arg_types
 from rankguard_sim.fake_vllm import args as vllm_args
 from rankguard_sim.fake_vllm import console as vllm_console
 from rankguard_sim.fake_vllm import ledger as vllm_ledger
+from rankguard_sim.fake_vllm.args import config_from_args, parse_args
+from rankguard_sim.physics.engine_config import EngineConfig, EngineConfigError
 from rankguard_sim.physics.engine_failures import CudaOutOfMemory, SamplerWarmupOOM
 from rankguard_sim.physics.engine_memory import TAG_TRANSIENT
+from rankguard_sim.physics.gpus import IMEX_CHANNELS_GLOB_ENV
 from rankguard_sim.physics.scenario_file import load_scenario
-from rankguard_sim.vllm_snapshot import snapshot
+from rankguard_sim.vllm_snapshot import playing, snapshot
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -189,3 +194,27 @@ def test_real_vllm_spellings_that_the_old_fake_refused() -> None:
         s, vllm_args.parse_args(["serve", "m", "-tp", "4", "--max-model-len", "auto"])
     )
     assert cfg.max_model_len == 8192 and cfg.max_model_len_auto and cfg.block_size == 16
+
+
+def test_034_flags_resolve_the_extensible_mode_in_this_pod(tmp_path: Path) -> None:
+    s = load_scenario("llama3-70b-tp4")
+    imex = {IMEX_CHANNELS_GLOB_ENV: str(tmp_path / "channel*")}
+    nixl = ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}']
+    with playing("0.34.0"):
+
+        def config(*flags: str) -> EngineConfig:
+            return config_from_args(s, parse_args(["serve", "m", "-tp", "4", *flags]), imex)
+
+        assert config().extensible_kv_cache and config().gpu_memory_utilization == 1.0
+        assert not config("--kv-cache-memory-bytes", "20G").extensible_kv_cache
+        assert not config("--no-enable-extensible-kv-cache").extensible_kv_cache
+        off = config(*nixl)  # NIXL exports FABRIC handles: no IMEX channel here
+        assert not off.extensible_kv_cache and off.gpu_memory_utilization == 0.92
+        (tmp_path / "channel0").touch()
+        assert config(*nixl).extensible_kv_cache
+        with pytest.raises(EngineConfigError, match="num_gpu_blocks_override overrides"):
+            config("--enable-extensible-kv-cache", "--num-gpu-blocks-override", "100")
+    # the default release has no such flag, and no such mode
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m", "--enable-extensible-kv-cache"])
+    assert not config_from_args(s, parse_args(["serve", "m", "-tp", "4"]), imex).extensible_kv_cache

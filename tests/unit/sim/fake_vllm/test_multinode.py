@@ -1,6 +1,6 @@
-"""The fake vLLM as a multi-node group (`--nnodes 2`, vLLM 0.33's mp backend): two processes,
-a leader and a headless node, each on its own pod's simulated GPUs, meeting over the sandbox's
-rendezvous (fake_vllm/rendezvous.py) and resolving the leader's name through the sandbox's DNS
+"""The fake vLLM as a multi-node group (`--nnodes 2`, vLLM 0.33's mp backend, 0.34's at the end): two
+processes, a leader and a headless node, each on its own pod's simulated GPUs, meeting over the
+sandbox's rendezvous (fake_vllm/rendezvous.py) and resolving the leader's name through the sandbox's DNS
 file (kube/dns.py). Run for real, as subprocesses; every wait is on a condition.
 """
 
@@ -32,8 +32,16 @@ from rankguard_sim.physics.engine_config import engine_config
 from rankguard_sim.physics.engine_failures import KV_CACHE_TOO_SMALL
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, PureLedger
 from rankguard_sim.physics.engine_outcome import outcome
+from rankguard_sim.physics.neighbour import start_neighbour
 from rankguard_sim.physics.scenario_file import SCENARIO_ENV, load_scenario
-from rankguard_sim.vllm_snapshot import format_gib, message, version
+from rankguard_sim.vllm_snapshot import (
+    ENGINE_VERSION_ENV,
+    format_gib,
+    message,
+    message_pattern,
+    playing,
+    version,
+)
 from rankguard_sim.waiting import wait_for
 from tests import REPO
 
@@ -383,3 +391,53 @@ def test_a_node_needs_its_local_world_of_gpus(group: Group, capsys: pytest.Captu
     argv = ["serve", MODEL, "-tp", "8", "-pp", "2", "--nnodes", "2"]
     assert run_fake(argv, env) == 1
     assert "RuntimeError: CUDA error: invalid device ordinal" in capsys.readouterr().err
+
+
+# -- vLLM 0.34: the measured minimum spans the group --------------------------------------------
+
+V034 = {ENGINE_VERSION_ENV: "0.34.0"}
+
+
+def warmup_blocks(log: str) -> dict[str, int]:
+    """Worker -> the blocks its "Memory after warmup" line says fit (0.34.0's format)."""
+    with playing("0.34.0"):
+        pattern = message_pattern("memory_after_warmup")
+    found = {}
+    for line in log.splitlines():
+        m, who = pattern.search(line), WORKER.match(line)
+        if m and who:
+            found[who.group(1)] = int(m.group(6))
+    return found
+
+
+def test_034_each_pod_measures_and_the_leader_takes_the_minimum_of_all(group: Group) -> None:
+    neighbour = start_neighbour(group.root, group.gpus_of(1)[3], 4 << 30)  # on global rank 11's GPU
+    try:
+        leader = group.start(0, 0, **V034)
+        headless = group.start(1, 1, **V034)
+        wait_for("the leader to serve", lambda: group.health(0) == 200 or leader.poll() is not None, 60, 0.05)
+        assert group.health(0) == 200, group.err(leader)[-3000:]
+    finally:
+        neighbour.stop()
+    lead, node1 = group.out(leader), group.out(headless)
+    blocks = {**warmup_blocks(lead), **warmup_blocks(node1)}
+    assert len(blocks) == 16  # every worker of both pods measured
+    least = min(blocks.values())
+    assert blocks["Worker_PP1_TP3"] == least < max(blocks.values())  # the neighbour's GPU
+    with playing("0.34.0"):
+        line = re.escape(message("extensible_kv_extended", least, 0.0)).replace(r"0\.00", r"[\d.]+")
+    assert len(re.findall(line, lead)) == 8 and len(re.findall(line, node1)) == 8
+    assert "KV cache size: " in lead and "KV cache size: " not in node1
+
+
+def test_034_a_pod_without_vmm_turns_it_off_for_the_whole_group(group: Group) -> None:
+    for uuid in group.gpus_of(1):
+        gpus.set_vmm(group.root, uuid, False)
+    flags = ("--gpu-memory-utilization", SAFE_UTILISATION)
+    leader = group.start(0, 0, *flags, **V034)
+    headless = group.start(1, 1, *flags, **V034)
+    wait_for("the leader to serve", lambda: group.health(0) == 200 or leader.poll() is not None, 60, 0.05)
+    assert group.health(0) == 200, group.err(leader)[-3000:]
+    lead, node1 = group.out(leader), group.out(headless)
+    assert "Disabling the extensible KV cache: " in lead
+    assert "Memory after warmup" not in lead + node1

@@ -85,7 +85,7 @@ class Pod:
             assert proc.poll() is None, log.read_text()[-3000:]
             try:
                 with urllib.request.urlopen(f"http://{POD_IP}:{port}/health", timeout=1) as r:
-                    return r.status == 200
+                    return bool(r.status == 200)
             except (urllib.error.URLError, OSError):
                 return False
 

@@ -103,3 +103,26 @@ def test_a_pod_s_mig_slices_per_resource() -> None:
     assert pod_mig_counts(pod) == {"nvidia.com/mig-1g.10gb": 2, "nvidia.com/mig-3g.40gb": 1}
     assert pod_gpu_count(pod) == 1
     assert pod_mig_counts({"spec": {"containers": [{"name": "x"}]}}) == {}
+
+
+def test_a_node_without_vmm_says_so_on_every_device(tmp_path: Path) -> None:
+    layout = MigLayout(gpus=1, profiles={"3g.40gb": 1})
+    node = NodeGpus(tmp_path, 2, None, None, layout, vmm=False)
+    node.create(seed="old-driver")
+    devices = simgpus.list_gpus(tmp_path)
+    assert len(devices) == 3 and not any(d.vmm for d in devices)  # whole GPUs and MIG slices alike
+    fresh = NodeGpus(tmp_path / "new", 1, None, None)
+    fresh.create(seed="new-driver")
+    assert simgpus.read_device(tmp_path / "new", fresh.uuids[0]).vmm
+
+
+def test_a_neighbour_on_a_node_gpu_lives_until_the_node_stops_it(tmp_path: Path) -> None:
+    node = NodeGpus(tmp_path, 2, None, None)
+    node.create(seed="n")
+    first = node.start_neighbour(1, 3 << 30)
+    second = node.start_neighbour(node.uuids[0], 1 << 30)
+    assert simgpus.process_bytes(tmp_path, node.uuids[1], first.pid) == 3 << 30
+    assert simgpus.used_bytes(tmp_path, node.uuids[0]) == 1 << 30
+    node.stop_neighbours()
+    assert first.proc.poll() is not None and second.proc.poll() is not None
+    assert simgpus.used_bytes(tmp_path, node.uuids[1]) == 0 and node.neighbours == []

@@ -28,11 +28,14 @@ from tests import REPO
 
 def test_container_pids_follow_the_marker_across_sessions() -> None:
     marker = f"test/{os.getpid()}/{time.monotonic_ns()}"
-    # The child starts a grandchild in its own session: only the marker still finds it.
+    # The child starts a grandchild in its own session: only the marker still finds it. The child
+    # names the grandchild once it runs Python: Popen returns when the kernel closes the exec pipe,
+    # before the new program's environment is in place (/proc/PID/environ then reads empty).
     code = (
         "import subprocess, sys, time;"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True);"
-        "print(p.pid, flush=True); time.sleep(30)"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); time.sleep(30)'],"
+        " start_new_session=True, stdout=subprocess.PIPE);"
+        "p.stdout.readline(); print(p.pid, flush=True); time.sleep(30)"
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -95,6 +98,29 @@ def test_image_python_reports_the_snapshot_vllm_version_without_vllm_on_the_test
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("vllm")
     assert not list((REPO / "sim").rglob("vllm-*.dist-info"))
+
+
+@pytest.mark.parametrize(
+    ("played", "reported"), [("0.34.0", "0.34.0"), ("0.33.0", "0.33.0"), ("9.9.9", "0.33.0"), ("", "0.33.0")]
+)
+def test_image_python_reports_the_release_its_container_plays(
+    tmp_path: Path, played: str, reported: str
+) -> None:
+    """The kubelet sets RANKGUARD_SIM_VLLM_VERSION from the image tag: a 0.34 image's metadata says 0.34."""
+    from rankguard_sim.vllm_snapshot import ENGINE_VERSION_ENV
+
+    table = build_image(tmp_path / "bin")
+    env = {"PATH": "/usr/bin:/bin", **({ENGINE_VERSION_ENV: played} if played else {})}
+    probe = "import importlib.metadata as m; print(m.version('vllm'))"
+    out = subprocess.run(
+        [table.commands["python3"], "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == reported
+    # -I ignores the pod's PYTHONPATH, never the image's own packages
+    isolated = subprocess.run(
+        [table.commands["python3"], "-I", "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert isolated.stdout.strip() == reported
 
 
 def test_agent_install_copies_the_package_that_then_imports_from_the_copy(tmp_path: Path) -> None:

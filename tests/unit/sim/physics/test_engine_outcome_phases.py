@@ -61,7 +61,7 @@ def test_weights_that_do_not_fit_fail_in_load_model_under_every_flag() -> None:
         {"max_cudagraph_capture_size": 8},
         {"enforce_eager": True},
     ):
-        o = outcome(s, **flags)  # type: ignore[arg-type]
+        o = outcome(s, **flags)
         assert (o.crashes, o.phase) == (True, "load-model"), flags
 
 

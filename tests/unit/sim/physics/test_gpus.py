@@ -45,8 +45,12 @@ def test_device_json_carries_the_contract_fields(tmp_path: Path) -> None:
         "reserved_bytes": 5,
         "comm_init_bytes": 0,
         "lost": False,
+        "vmm": True,
     }
     assert (tmp_path / uuids[1] / "procs").is_dir()
+    without = gpus.create_gpus(tmp_path / "old-driver", 1, 80 * GIB, seed="s", vmm=False)
+    assert json.loads((tmp_path / "old-driver" / without[0] / "device.json").read_text())["vmm"] is False
+    assert gpus.set_vmm(tmp_path / "old-driver", without[0], True).vmm
     assert [d.uuid for d in gpus.list_gpus(tmp_path)] == uuids
 
 
