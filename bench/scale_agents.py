@@ -80,8 +80,11 @@ class SynthBackend:
     def drop(self, rank: int, nbytes: int) -> None:
         self.dropped[rank] = nbytes
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
         return []
+
+    def vmm_supported(self) -> bool | None:
+        return None
 
     def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

@@ -17,7 +17,6 @@ from rankguard_agent.gpu import (
     GpuBackend,
     GpuUnavailable,
     NoGpuBackend,
-    driver_vmm,
     imex_channel,
     open_backend,
 )
@@ -81,7 +80,7 @@ class AgentRuntime:
         `start` runs this in a thread of its own; the report says null until it is known."""
         try:
             self.state.imex_channel = imex_channel(self.backend, self.env)
-            self.state.vmm = driver_vmm(self.backend)
+            self.state.vmm = self.backend.vmm_supported()
         except Exception:  # never the agent's end: the fields stay unknown
             log.exception("reading the GPU driver's virtual memory support failed")
 

@@ -89,14 +89,11 @@ class _RankState:
 
 
 def listed_processes(backend: GpuBackend, rank: int) -> list[ProcessMemory] | None:
-    """The processes on the rank's GPU; None when the backend cannot list them now (NVML's
-    `listed_processes` says so; `processes` answers [] then, which would read as "none")."""
-    listed = getattr(backend, "listed_processes", None)
+    """The processes on the rank's GPU; None when the backend cannot list them now."""
     try:
-        found: list[ProcessMemory] | None = backend.processes(rank) if listed is None else listed(rank)
+        return backend.processes(rank)
     except Exception:  # a backend bug costs this tick's others figure, nothing more
         return None
-    return found
 
 
 class Sampler:

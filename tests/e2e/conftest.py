@@ -5,8 +5,10 @@ that test's scenario, removed afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,12 @@ __all__ = [
     "GROUP",
     "PLURAL",
     "VERSION",
+    "Sandbox",
     "apply_service",
     "condition",
     "example",
     "get_llmservice",
+    "side_by_side",
     "wait_for",
 ]
 
@@ -86,6 +90,47 @@ def make_node(api: client.ApiClient, tmp_path: Path) -> Iterator[Callable[..., N
     finally:
         for n in nodes:
             n.stop()
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """Several stories in one namespace, each on a simulated node of its own (keyed by story)."""
+
+    api: client.ApiClient
+    namespace: str
+    nodes: dict[str, Node]
+
+
+@contextlib.contextmanager
+def side_by_side(
+    api: client.ApiClient,
+    workdir: Path,
+    namespace: str,
+    stories: Mapping[str, tuple[str, Callable[[str], dict[str, Any]]]],
+) -> Iterator[Sandbox]:
+    """Every story's node (key -> (scenario, the service on a node's name)) started first, then
+    every service applied, so that all stories run at once (the e2e tier's time); afterwards the
+    services go first, so their pods stop while the nodes still run them."""
+    create_namespace(api, namespace)
+    nodes: dict[str, Node] = {}
+    try:
+        for key, (scenario, _) in stories.items():
+            nodes[key] = start_node(api, workdir, f"e2e-{key}-{uuid.uuid4().hex[:5]}", scenario, time_scale=4)
+        for key, (_, service) in stories.items():
+            wait_node_schedulable(api, nodes[key].name)
+            apply_service(api, namespace, service(nodes[key].name))
+        yield Sandbox(api, namespace, nodes)
+    finally:
+        custom = client.CustomObjectsApi(api)
+        for key in stories:
+            try:
+                custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, key)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        client.CoreV1Api(api).delete_namespace(namespace)
+        for node in nodes.values():
+            node.stop()  # its neighbours too
 
 
 def apply_service(api: client.ApiClient, namespace: str, doc: dict[str, Any]) -> dict[str, Any]:

@@ -17,25 +17,32 @@ tag says so (the process kubelet sets RANKGUARD_SIM_VLLM_VERSION from it):
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from rankguard_operator.core.engine.sizing_mode import ENGINE_MEASURED, PINNED
 from rankguard_operator.core.policy.history import STATUS_ACTIONS
 from rankguard_operator.core.policy.tunables import LEVER_RESERVE, T_CUDA_OOM, T_SIZING_CHANGED
 from rankguard_sim.physics import gpus
 from rankguard_sim.physics.neighbour import Neighbour
-from rankguard_sim.world import Node, OperatorProcess, create_namespace, start_node, wait_node_schedulable
+from rankguard_sim.world import OperatorProcess
 from tests.builders import llmservice
 
-from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, get_llmservice, wait_for
+from .conftest import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Sandbox,
+    condition,
+    get_llmservice,
+    side_by_side,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -58,41 +65,16 @@ WAIT_S = 240
 STORIES = ("measured", "switch")
 
 
-@dataclass(frozen=True)
-class Sandbox:
-    api: client.ApiClient
-    namespace: str
-    nodes: dict[str, Node]
-
-
 @pytest.fixture(scope="module")
 def box(
     api: client.ApiClient, operator_process: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Sandbox]:
     """Both nodes and services, started together; each test reads its own."""
-    workdir: Path = tmp_path_factory.mktemp("measured")
-    namespace = f"e2e-measured-{uuid.uuid4().hex[:6]}"
-    create_namespace(api, namespace)
-    nodes: dict[str, Node] = {}
     images = {"measured": IMAGE_034, "switch": IMAGE_033}
-    try:
-        for key in STORIES:
-            nodes[key] = start_node(api, workdir, f"e2e-{key}-{uuid.uuid4().hex[:5]}", SCENARIO, time_scale=4)
-        for key in STORIES:
-            wait_node_schedulable(api, nodes[key].name)
-            apply_service(api, namespace, _service(key, images[key], nodes[key].name))
-        yield Sandbox(api, namespace, nodes)
-    finally:
-        custom = client.CustomObjectsApi(api)
-        for key in STORIES:
-            try:
-                custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, key)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-        client.CoreV1Api(api).delete_namespace(namespace)
-        for node in nodes.values():
-            node.stop()  # its neighbours too
+    stories = {key: (SCENARIO, functools.partial(_service, key, images[key])) for key in STORIES}
+    namespace = f"e2e-measured-{uuid.uuid4().hex[:6]}"
+    with side_by_side(api, tmp_path_factory.mktemp("measured"), namespace, stories) as box:
+        yield box
 
 
 def _service(key: str, image: str, node: str) -> dict[str, Any]:

@@ -11,15 +11,14 @@ Degraded with nothing rolled; two stories escalate (the first lever did not fix 
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from rankguard_agent.wire import termination as tm
 from rankguard_operator.core.engine.serving_flags import LEVER_KEYS as FLAG_KEYS
@@ -34,10 +33,16 @@ from rankguard_operator.core.policy.tunables import (
     LEVER_SEQS,
     T_CUDA_OOM,
 )
-from rankguard_sim.world import Node, OperatorProcess, create_namespace, start_node, wait_node_schedulable
+from rankguard_sim.world import OperatorProcess
 from tests.builders import llmservice
 
-from .conftest import GROUP, PLURAL, VERSION, apply_service, condition, get_llmservice, wait_for
+from .conftest import (
+    Sandbox,
+    condition,
+    get_llmservice,
+    side_by_side,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -70,41 +75,17 @@ STORIES = {
 MODELS = {"oom-weights": "meta-llama/Meta-Llama-3-70B-Instruct"}
 
 
-@dataclass(frozen=True)
-class Sandbox:
-    api: client.ApiClient
-    namespace: str
-    nodes: dict[str, Node]
-
-
 @pytest.fixture(scope="module")
 def phases(
     api: client.ApiClient, operator_process: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Sandbox]:
     """The seven nodes and services, started together; each test reads its own."""
-    workdir: Path = tmp_path_factory.mktemp("phases")
+    stories = {
+        key: (story.scenario, functools.partial(_service, key, story)) for key, story in STORIES.items()
+    }
     namespace = f"e2e-phases-{uuid.uuid4().hex[:6]}"
-    create_namespace(api, namespace)
-    nodes: dict[str, Node] = {}
-    try:
-        for key, story in STORIES.items():
-            node = start_node(api, workdir, f"e2e-{key}-{uuid.uuid4().hex[:5]}", story.scenario, time_scale=4)
-            nodes[key] = node
-        for key, story in STORIES.items():
-            wait_node_schedulable(api, nodes[key].name)
-            apply_service(api, namespace, _service(key, story, nodes[key].name))
-        yield Sandbox(api, namespace, nodes)
-    finally:
-        custom = client.CustomObjectsApi(api)
-        for key in STORIES:
-            try:
-                custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, key)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-        client.CoreV1Api(api).delete_namespace(namespace)
-        for node in nodes.values():
-            node.stop()
+    with side_by_side(api, tmp_path_factory.mktemp("phases"), namespace, stories) as box:
+        yield box
 
 
 def _service(key: str, story: Story, node: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import, so none of them imports this module back) and handed on from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from rankguard_agent.gpu.driver import imex_channel_available
 from rankguard_agent.gpu.interface import (
@@ -41,7 +41,6 @@ __all__ = [
     "NoGpuBackend",
     "ProcessMemory",
     "RankDevice",
-    "driver_vmm",
     "imex_channel",
     "open_backend",
     "release_communicators",
@@ -84,15 +83,6 @@ def release_communicators(env: Mapping[str, str], pids: Iterable[int]) -> None:
         from rankguard_agent.gpu.sim import release_communicators as release_sim  # noqa: PLC0415
 
         release_sim(root, pids)
-
-
-def driver_vmm(backend: GpuBackend) -> bool | None:
-    """Whether the driver under the pod's GPUs has virtual memory management (vLLM 0.34's
-    extensible KV cache needs it); None where the backend cannot say. A backend answers through
-    an optional `vmm_supported()` (NVML: libcuda, gpu/driver.py; sim: the device docs), kept out
-    of the GpuBackend protocol so that the stand-in backends of tests and benches need none."""
-    ask: Callable[[], bool | None] | None = getattr(backend, "vmm_supported", None)
-    return None if ask is None else ask()
 
 
 def imex_channel(backend: GpuBackend, env: Mapping[str, str]) -> bool | None:

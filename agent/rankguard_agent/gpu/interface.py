@@ -57,8 +57,14 @@ class GpuBackend(Protocol):
     def read(self, rank: int) -> GpuReading:
         """One reading of the rank's GPU. Never raises: a failure is the reading's `error`."""
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
-        """Processes holding memory on the rank's GPU (empty where unknown)."""
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
+        """Processes holding memory on the rank's GPU; None when they cannot be listed now,
+        which must not read as "no process" (the pod's own memory would pass for someone
+        else's: others.py)."""
+
+    def vmm_supported(self) -> bool | None:
+        """Whether the driver under the pod's GPUs has virtual memory management on every
+        device (vLLM 0.34's extensible KV cache needs it); None where it cannot say."""
 
     def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
         """Held around a probe rank's communicator init and warm-up, on the rank's GPU.
@@ -91,8 +97,11 @@ class NoGpuBackend:
     def read(self, rank: int) -> GpuReading:
         return failed_reading(rank, "", self.reason)
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
-        return []
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
+        return None
+
+    def vmm_supported(self) -> bool | None:
+        return None
 
     def communicator_init(self, rank: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

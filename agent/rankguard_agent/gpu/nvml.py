@@ -204,12 +204,8 @@ class NvmlBackend:
         total, free = int(m.total), int(m.free)
         return GpuReading(rank, uuid, total, max(0, total - free), free, 0)
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
-        return self.listed_processes(rank) or []
-
-    def listed_processes(self, rank: int) -> list[ProcessMemory] | None:
-        """`processes`, but None when NVML cannot list them (no handle, an error), which the
-        sampler must not read as "no process" (others.py)."""
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
+        """None when NVML cannot list them (no handle, an error)."""
         h = self._handles[rank]
         if h is None:
             return None

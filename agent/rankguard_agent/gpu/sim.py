@@ -153,14 +153,14 @@ class SimBackend:
         used, free = used_and_free(dev, procs)
         return GpuReading(rank, uuid, dev.total_bytes, used, free, dev.reserved_bytes)
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
         """The live processes' memory, one entry per process as NVML lists them (a process's
         files of all tags summed). Read through the same cache as `read`: the sampler asks
         for it every tick."""
         try:
             procs = self._files[rank].load_procs(time.time_ns())
         except OSError:
-            return []
+            return None
         held: dict[int, int] = {}
         for p in procs:
             if pid_alive(p.pid):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +32,21 @@ def sim_env(tmp_path: Path) -> dict[str, str]:
         }
     )
     return env
+
+
+@pytest.fixture
+def neighbour() -> Iterator[int]:
+    """A live process outside this process's tree (another pod's): started through a shell that
+    exits at once, so that it is re-parented away from us."""
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    pid = int(out.stdout)
+    try:
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -69,24 +69,6 @@ def _child_of(pid: int) -> int:
     raise AssertionError(f"{pid} started no child")
 
 
-@pytest.fixture
-def neighbour() -> Iterator[int]:
-    """A live process outside this process's tree (another pod's): started through a shell that
-    exits at once, so that it is re-parented away from us."""
-    out = subprocess.run(
-        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!"],
-        capture_output=True,
-        check=True,
-        text=True,
-    )
-    pid = int(out.stdout)
-    try:
-        yield pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def test_the_pod_is_the_agent_and_its_descendants(
     engine: subprocess.Popen[bytes], worker: int, neighbour: int
 ) -> None:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,8 +122,11 @@ class ExplodingBackend:
             raise RuntimeError("driver said something odd")
         return GpuReading(0, "GPU-0", 100, 40, 60)
 
-    def processes(self, rank: int) -> list[ProcessMemory]:
+    def processes(self, rank: int) -> list[ProcessMemory] | None:
         return []
+
+    def vmm_supported(self) -> bool | None:
+        return None
 
     def close(self) -> None:
         return None
@@ -189,23 +189,6 @@ def test_bad_rates_are_rejected(root: Path) -> None:
 # -- others on the GPU (others.py), where the sampler samples --------------------------------
 
 
-@pytest.fixture
-def neighbour() -> Iterator[int]:
-    """A live process outside this process's tree (another pod's), re-parented away from us."""
-    out = subprocess.run(
-        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!"],
-        capture_output=True,
-        check=True,
-        text=True,
-    )
-    pid = int(out.stdout)
-    try:
-        yield pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def test_others_on_the_gpu_are_sampled_with_the_pods_processes(root: Path, neighbour: int) -> None:
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -235,7 +218,7 @@ def test_without_the_pods_processes_others_are_unknown_and_never_listed(root: Pa
     listed: list[int] = []
 
     class Counting(SimBackend):
-        def processes(self, rank: int) -> list[ProcessMemory]:
+        def processes(self, rank: int) -> list[ProcessMemory] | None:
             listed.append(rank)
             return super().processes(rank)
 

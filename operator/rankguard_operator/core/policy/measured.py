@@ -36,7 +36,7 @@ from rankguard_operator.core.engine.sizing_mode import connector
 from rankguard_operator.core.observe.pods import CUDA_OOM, KV_CACHE_TOO_SMALL, Termination
 from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision, rank_text
 from rankguard_operator.core.policy.initial import initial_decision
-from rankguard_operator.core.policy.oom_levers import lever_decision
+from rankguard_operator.core.policy.oom_levers import next_lever
 from rankguard_operator.core.policy.tunables import (
     LEVER_BATCHED,
     LEVER_CAPTURE,
@@ -95,7 +95,7 @@ def rule_cuda_oom_measured(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
     keys = [t.key for t in ooms]
     what = f"{rank_text(worst.rank)} ran out of GPU memory in pod {worst.pod_name}"
     if worst.phase == tm.PHASE_WEIGHTS:
-        return lever_decision(inp, worst, what, keys, LADDERS)
+        return next_lever(inp, worst, what, keys, LADDERS)
     raised = _reserve_for_others(inp, worst, what, keys)
     if raised is not None:
         return raised
@@ -105,7 +105,7 @@ def rule_cuda_oom_measured(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
         if raised is not None:
             return raised
     phase = worst.phase if worst.phase in LADDERS else tm.PHASE_SERVING
-    moved = lever_decision(inp, _with_phase(worst, phase), what, keys, LADDERS)
+    moved = next_lever(inp, _with_phase(worst, phase), what, keys, LADDERS)
     return moved if moved is not None else pin_budget(inp, worst, what, keys, T_CUDA_OOM)
 
 
@@ -116,7 +116,7 @@ def rule_kv_too_small_measured(inp: PolicyInput, rel: Sequence[Termination]) -> 
     t = ts[0]
     keys = [x.key for x in ts]
     what = f"vLLM measured too little memory after warm-up in pod {t.pod_name} for one request of maxModelLen"
-    moved = lever_decision(inp, _with_phase(t, _KV_TOO_SMALL_PHASE), what, keys, LADDERS)
+    moved = next_lever(inp, _with_phase(t, _KV_TOO_SMALL_PHASE), what, keys, LADDERS)
     if moved is not None:
         return moved
     return pin_budget(inp, t, what, keys, T_KV_TOO_SMALL)

@@ -281,16 +281,55 @@ def _ordinal(i: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(i, f"{i}th")
 
 
-def lever_decision(
+def lever_decision(inp: PolicyInput, worst: Termination, what: str, handled: Sequence[str]) -> Decision:
+    """Rule 1 for a CUDA OOM whose phase is known and is not the KV allocation's: the phase's next
+    lever, or Degraded with nothing rolled when none is left."""
+    moved = _next_lever(inp, worst, what, handled, LADDERS)
+    if isinstance(moved, Decision):
+        return moved
+    why, skipped = moved
+    run = escalation_run(inp.history, worst.phase or "", inp.now)
+    tried = ", ".join(_moved(h) for h in reversed(run))
+    after = f", again after rankguard moved {tried}" if tried else ""
+    assert inp.current is not None
+    return make_decision(
+        inp,
+        "degrade",
+        inp.current,
+        trigger=T_CUDA_OOM,
+        reason="OOMLeversExhausted",
+        message=(
+            f"{why}{after}; no lever is left for this phase ({'; '.join(skipped)}), so rankguard rolls "
+            f"nothing more. To fix: lower the floors in spec.remediation.levers, {KNOBS}"
+        ),
+        rank=worst.rank,
+        handled=handled,
+        phase=worst.phase,
+    )
+
+
+def next_lever(
     inp: PolicyInput,
     worst: Termination,
     what: str,
     handled: Sequence[str],
-    ladders: Mapping[str, tuple[str, ...]] = LADDERS,
+    ladders: Mapping[str, tuple[str, ...]],
 ) -> Decision | None:
-    """Rule 1 for a CUDA OOM whose phase is known and is not the KV allocation's. With `ladders`
-    other than the budget's (an engine that measures its own KV cache: core/policy/measured.py),
-    None when no lever is left: the caller takes its own last lever."""
+    """The next lever of `ladders` for the OOM's phase (an engine that measures its own KV cache
+    has its own: core/policy/measured.py); None when none is left, where the caller takes its
+    own last lever."""
+    moved = _next_lever(inp, worst, what, handled, ladders)
+    return moved if isinstance(moved, Decision) else None
+
+
+def _next_lever(
+    inp: PolicyInput,
+    worst: Termination,
+    what: str,
+    handled: Sequence[str],
+    ladders: Mapping[str, tuple[str, ...]],
+) -> Decision | tuple[str, list[str]]:
+    """The move, or (why, what each lever's refusal said) when no lever is left."""
     cur = inp.current
     assert cur is not None and worst.phase is not None
     phase = worst.phase
@@ -333,24 +372,7 @@ def lever_decision(
             lever=lever,
             lever_from=m.old,
         )
-    if ladders is not LADDERS:
-        return None
-    tried = ", ".join(_moved(h) for h in reversed(run))
-    after = f", again after rankguard moved {tried}" if tried else ""
-    return make_decision(
-        inp,
-        "degrade",
-        cur,
-        trigger=T_CUDA_OOM,
-        reason="OOMLeversExhausted",
-        message=(
-            f"{why}{after}; no lever is left for this phase ({'; '.join(skipped)}), so rankguard rolls "
-            f"nothing more. To fix: lower the floors in spec.remediation.levers, {KNOBS}"
-        ),
-        rank=worst.rank,
-        handled=handled,
-        phase=phase,
-    )
+    return why, skipped
 
 
 def weights_decision(inp: PolicyInput, worst: Termination, why: str, handled: Sequence[str]) -> Decision:

@@ -60,7 +60,7 @@ def size(
     known: Known,
     seen: Observed,
     *,
-    current: ServingFlags | None = None,
+    current: ServingFlags | None,
 ) -> Sized:
     """Raises SpecError when what was learned makes the budget impossible. `current`: the flags
     in effect (a budget rankguard pinned after OOMs keeps the mode pinned)."""
