@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard_operator.core.observe.pods import CUDA_OOM
@@ -39,7 +40,14 @@ def metric(op: OperatorProcess, name: str, **labels: str) -> float:
 
 
 def holder(d: Drill) -> str:
-    lease = client.CoordinationV1Api(d.api).read_namespaced_lease(LEASE, d.namespace)
+    """Who holds the Lease; "" while nobody does, or before the first replica created it (a
+    replica answers /healthz before its elector's first try, which a busy machine can delay)."""
+    try:
+        lease = client.CoordinationV1Api(d.api).read_namespaced_lease(LEASE, d.namespace)
+    except ApiException as e:
+        if e.status == 404:
+            return ""
+        raise
     return str(lease.spec.holder_identity or "")
 
 
