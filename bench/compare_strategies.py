@@ -42,7 +42,13 @@ blocks, as a share of the world's true maximum safe capacity
 (`rankguard_sim.physics.scenario_file`), the same memory model the fake vLLM executes; the
 operator never sees it except through the figures an agent and a kubelet would report.
 
-    .venv/bin/python bench/compare_strategies.py [--scenario NAME ...] [--case NAME ...] [--no-trace]
+    .venv/bin/python bench/compare_strategies.py [--scenario NAME ...] [--case NAME ...] [--late-sidecar]
+        [--no-trace]
+
+A fourth table (issue 50) is a group drill: a sidecar in the worker pod of a TP8×PP2 service
+over two pods loads onto rank 12's GPU after vLLM's memory snapshot, so the first start dies
+allocating the KV cache; it counts the remediations and whole-group rolls rankguard takes for
+that one cause (strategies_late_sidecar.py; `--late-sidecar` runs it alone).
 
 This file is the entry point; the benchmark is the modules beside it, one per
 responsibility: strategies_world.py (the scenarios compared, a run of the world, the spec
@@ -63,6 +69,7 @@ import sys
 from collections.abc import Sequence
 
 from rankguard_sim.physics.scenario_file import builtin_names
+from strategies_late_sidecar import SIDECAR_SIZES, drill, render_late_sidecar
 from strategies_measured import CASES
 from strategies_measured_compare import compare_measured, render_measured
 from strategies_phases import compare_phase, render_phases
@@ -89,10 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=[c.name for c in CASES],
         help="a vLLM 0.34 case (repeatable); default: all of them, unless --scenario is given",
     )
+    parser.add_argument(
+        "--late-sidecar",
+        action="store_true",
+        help="the late-sidecar group drill (issue 50); default: run, unless --scenario or --case is given",
+    )
     parser.add_argument("--no-trace", action="store_true", help="print the tables and notes only")
     opts = parser.parse_args(argv)
-    names = opts.scenario or ([] if opts.case else [*GPU_SCENARIOS, *PHASE_SCENARIOS])
-    cases = [c for c in CASES if c.name in opts.case] if opts.case else ([] if opts.scenario else list(CASES))
+    chosen = bool(opts.scenario or opts.case or opts.late_sidecar)
+    names = opts.scenario or ([] if chosen else [*GPU_SCENARIOS, *PHASE_SCENARIOS])
+    cases = [c for c in CASES if c.name in opts.case] if opts.case else ([] if chosen else list(CASES))
+    drills = [drill(n) for n in SIDECAR_SIZES] if opts.late_sidecar or not chosen else []
     rows = [compare(n) for n in names if n not in PHASE_SCENARIOS]
     phase_rows = [compare_phase(n) for n in names if n in PHASE_SCENARIOS]
     measured_rows = [compare_measured(c) for c in cases]
@@ -105,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.append(
             "vLLM 0.34, which sizes its KV cache after warm-up (issue 49):\n\n"
             + render_measured(measured_rows, traces=not opts.no_trace)
+        )
+    if drills:
+        out.append(
+            "A late sidecar on rank 12 of a TP8×PP2 group (issue 50):\n\n"
+            + render_late_sidecar(drills, traces=not opts.no_trace)
         )
     print("\n\n".join(out))
     return 0

@@ -171,14 +171,16 @@ def _verdict(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def _lags(lags: Sequence[float], missed: int) -> tuple[str, str]:
+def _lags(lags: Sequence[float], missed: int, target: float = TARGET_LAG_P99_SECONDS) -> tuple[str, str]:
+    """(p50, p99 with its verdict against `target`): each measure is judged against the target
+    its own row prints, never another's."""
     if not lags and not missed:
         return "not measured", "not measured"
     p50, p99 = percentile(lags, 0.5), percentile(lags, 0.99)
     tail = f" ({missed} missed)" if missed else ""
     if not lags:
         return f"none{tail}", f"none{tail} MISSED"
-    ok = p99 < TARGET_LAG_P99_SECONDS and not missed
+    ok = p99 < target and not missed
     return f"{p50:.2f} s", f"{p99:.2f} s{tail} {_verdict(ok)}"
 
 
@@ -240,13 +242,13 @@ def summary_rows(results: Sequence[ScaleResult]) -> list[list[str]]:
     spec = [_lags(r.spec_lags, r.spec_missed) for r in results]
     rows += [
         ["spec -> status lag p50", *[s[0] for s in spec], ""],
-        ["spec -> status lag p99", *[s[1] for s in spec], "< 15 s"],
+        ["spec -> status lag p99", *[s[1] for s in spec], f"< {TARGET_LAG_P99_SECONDS:g} s"],
     ]
     if any(r.report_cohort for r in results):
         rep = [_lags(r.report_lags, r.report_missed) for r in results]
         rows += [
             ["report -> status lag p50", *[s[0] for s in rep], ""],
-            ["report -> status lag p99", *[s[1] for s in rep], "< 15 s"],
+            ["report -> status lag p99", *[s[1] for s in rep], f"< {TARGET_LAG_P99_SECONDS:g} s"],
         ]
     rows += [
         ["operator log ERROR lines", *[str(r.log_errors) for r in results], ""],

@@ -74,6 +74,10 @@ from scale_services import (
 from scale_watch import ServiceWatch
 
 STATUS_WRITE = "patch llmservices/status"
+# The Running mode's own target: a rank's drop in free memory is in status within 5 s at p99
+# (the spec and report lags of the Pending mode have 15 s, scale_measure). Judged and printed
+# from this one figure, so the verdict cannot disagree with the target beside it.
+TARGET_DROP_LAG_P99_SECONDS = 5.0
 T = TypeVar("T")
 
 PASSES_SAMPLE = "rankguard_operator_passes_total"  # edge/metrics.PASSES, as its samples are named
@@ -363,7 +367,7 @@ def running_rows(results: Sequence[ScaleResult], extras: Sequence[RunningExtra])
     def rate(count: float, r: ScaleResult) -> str:
         return f"{per_service_minute(round(count), r.services, r.window_seconds):.2f}"
 
-    drop = [_lags(e.drop_lags, e.drop_missed) for e in extras]
+    drop = [_lags(e.drop_lags, e.drop_missed, TARGET_DROP_LAG_P99_SECONDS) for e in extras]
     own = [
         ["pods made Running in", *[f"{e.pods_running_seconds:.1f} s" for e in extras], ""],
         ["every rank in status after", *[f"{e.all_ranks_seconds:.1f} s" for e in extras], ""],
@@ -379,7 +383,7 @@ def running_rows(results: Sequence[ScaleResult], extras: Sequence[RunningExtra])
             "",
         ],
         ["drop -> status lag p50", *[d[0] for d in drop], ""],
-        ["drop -> status lag p99", *[d[1] for d in drop], "< 5 s"],
+        ["drop -> status lag p99", *[d[1] for d in drop], f"< {TARGET_DROP_LAG_P99_SECONDS:g} s"],
         ["agents: /report answers / s", *[f"{e.served / e.served_seconds:.1f}" for e in extras], ""],
         ["agents CPU (all processes)", *[f"{e.agents_cpu_per_minute:.1f} s/min" for e in extras], ""],
         ["agents RSS (all processes)", *[f"{e.agents_rss_bytes / (1 << 20):.0f} MiB" for e in extras], ""],

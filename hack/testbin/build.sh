@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the control-plane binaries the tests run against (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, kubectl, helm) and promtool (the alert rules'
-# checker) from Go modules, into a versioned cache OUTSIDE the repo, and prints the control
+# kube-controller-manager, kube-scheduler, kubectl, helm), promtool (the alert rules'
+# checker) and the LeaderWorkerSet controller (lws-controller) from Go modules, into a versioned cache OUTSIDE the repo, and prints the control
 # plane's folder on stdout (the last line).
 #
 #   build.sh            build what is missing, print the folder
@@ -9,7 +9,16 @@
 #
 # promtool lives in a folder of its own beside the control plane's (so that a new Prometheus
 # release never forces the 10-minute Kubernetes rebuild, and the other way round) and is
-# linked into the control plane's folder as `promtool`, next to kubectl.
+# linked into the control plane's folder as `promtool`, next to kubectl. The LeaderWorkerSet
+# controller likewise (its folder `lws-<version>`, linked as `lws-controller`).
+#
+# LWS is v0.9.0, not v0.10.0 (the release whose CRD third_party/lws/v0.10.0 vendors): the Go
+# module proxy answers `go mod download sigs.k8s.io/lws@v0.10.0` with "403 Forbidden: This module
+# version is not available" (checked 2026-12-07; its .info and .mod are served, its zip is not),
+# and serves v0.9.0. For what rankguard relies on the two are the same: the owner chain (the
+# leader StatefulSet's controller is the LWS, a worker set's the leader pod), the names, the
+# labels and the variables the pod webhook injects (third_party/lws/README.md compares them).
+# Its CRDs are the v0.9.0 ones, vendored in third_party/lws/v0.9.0.
 #
 # Idempotent: a binary that is present and answers --version is not rebuilt.
 # Safe against concurrent runs: the whole build holds an flock on the cache folder.
@@ -23,12 +32,15 @@ K8S_VERSION=v1.34.4
 ETCD_VERSION=v3.6.16
 HELM_VERSION=v3.22.0
 PROMETHEUS_VERSION=v0.316.0  # the Go module's version; promtool --version says 3.16.0
+LWS_VERSION=v0.9.0  # v0.10.0's module zip is refused by the proxy (see above)
+LWS_COMMIT=f056f611ae7721f9983ac35f26bfbae8547fd9f3  # the tag's commit (the proxy's .info Origin)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${RANKGUARD_TESTBIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rankguard/testbin}
 # Never rename this folder: every machine would rebuild everything (10+ minutes).
 bin="$cache_root/k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_helm-${HELM_VERSION}"
 prom="$cache_root/prometheus-${PROMETHEUS_VERSION}"
+lws="$cache_root/lws-${LWS_VERSION}"
 
 if [ "${1:-}" = "--dir" ]; then echo "$bin"; exit 0; fi  # where the binaries are (or will be)
 
@@ -37,6 +49,7 @@ if [ "${1:-}" = "--dir" ]; then echo "$bin"; exit 0; fi  # where the binaries ar
 EXPECT_K8S="usually 4-5 min on 2 cores"
 EXPECT_ETCD_HELM="etcd and helm together usually take 1-2 min on 2 cores"
 EXPECT_PROMTOOL="usually 3-5 min on 2 cores"
+EXPECT_LWS="usually 3-6 min on 2 cores"
 EXPECT_ALL="a cold build of everything usually takes 8-12 min on 2 cores; later runs take a second"
 
 say() { echo "hack/testbin/build.sh: $*" >&2; }
@@ -51,7 +64,7 @@ go_version=${go_version#go}
   fail "Go ${go_version:-of an unknown version} is too old; install Go >= $GO_MIN (https://go.dev/doc/install) and run again."
 command -v flock >/dev/null 2>&1 || fail "flock (util-linux) is missing; install util-linux and run again."
 
-mkdir -p "$bin" "$prom" ||
+mkdir -p "$bin" "$prom" "$lws" ||
   fail "cannot create the cache folders under $cache_root; set RANKGUARD_TESTBIN_CACHE to a writable folder."
 exec 9>"$bin/.lock"
 if ! flock -n 9; then
@@ -159,9 +172,17 @@ if ! answers "$prom/promtool"; then
   gobuild prometheus "$prom/promtool" "$ld" -tags remove_all_sd github.com/prometheus/prometheus/cmd/promtool
   tick_stop
 fi
-# Next to kubectl, where sim/rankguard_sim/testbin.py and the tests look for it.
+if ! answers "$lws/lws-controller"; then
+  lv=sigs.k8s.io/lws/pkg/version
+  ld="-s -w -X $lv.GitVersion=$LWS_VERSION -X $lv.GitCommit=$LWS_COMMIT -X $lv.BuildDate=2025-01-01T00:00:00Z"
+  tick_start "the LeaderWorkerSet controller $LWS_VERSION" "$EXPECT_LWS"
+  gobuild lws "$lws/lws-controller" "$ld" sigs.k8s.io/lws/cmd
+  tick_stop
+fi
+# Next to kubectl, where sim/rankguard_sim/testbin.py and the tests look for them.
 ln -sfn "$prom/promtool" "$bin/promtool"
-for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm promtool; do
+ln -sfn "$lws/lws-controller" "$bin/lws-controller"
+for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm promtool lws-controller; do
   answers "$bin/$b" || fail "$bin/$b does not answer --version after the build"
 done
 say "testbin ready in $(($(date +%s) - started))s"

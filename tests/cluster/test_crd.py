@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -510,24 +511,27 @@ def test_status_subresource_and_printer_columns(cluster: ControlPlane, crd: str,
     crd = yaml.safe_load((REPO / "crds" / "llmservice.yaml").read_text())
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
     assert header == ["NAME", *(c["name"].upper() for c in columns if not c.get("priority"))]
-    assert len(header) == 10
-    row = out[1].split()
-    assert row[:9] == [
+    assert len(header) == 12
+    # cells by the header's columns: PODS is empty for one pod per replica
+    starts = [m.start() for m in re.finditer(r"\S+", out[0])]
+    row = [out[1][a:b].strip() for a, b in zip(starts, [*starts[1:], len(out[1])], strict=True)]
+    assert row[:11] == [
         "shown",
         "meta-llama/Meta-Llama-3-70B",
         "4",
+        "1",  # PP
+        "",  # PODS: one pod per replica
         "1/1",
         "54.6Gi",
         "1.4Gi",
         "812Mi",
-        "rank",
-        "2",
+        "rank 2",
+        "Running",
     ]
-    assert row[9] == "Running"
 
     wide = cluster.kubectl("get", "llmservice", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
-    assert wide[:10] == header
-    assert wide[10:] == ["PP", "PODS", "MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE", "SIZING"]
+    assert wide[:12] == header
+    assert wide[12:] == ["MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE", "SIZING"]
 
 
 def test_status_history_is_bounded(cluster: ControlPlane, crd: str, namespace: str) -> None:

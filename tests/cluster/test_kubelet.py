@@ -27,11 +27,12 @@ from rankguard_sim.kubelet.kubelet import ProcessKubelet, wait_for_pids_gone
 from rankguard_sim.kubelet.nodes import node_schedulable
 from rankguard_sim.physics import gpus as simgpus
 from rankguard_sim.physics.scenario_file import load_scenario
-from rankguard_sim.waiting import wait_for
+from rankguard_sim.waiting import let_time_pass, wait_for
 
 pytestmark = pytest.mark.cluster
 
 SCENARIO = "llama3-70b-tp4"
+HOLD = "rankguard.io/test-hold"  # a finalizer that keeps a deleted pod around
 
 
 def start_kubelet(api: client.ApiClient, root: Path, **kwargs: Any) -> ProcessKubelet:
@@ -223,6 +224,81 @@ def test_crash_loop_reports_the_termination_message_restart_count_and_back_off(
     assert pod["status"]["phase"] == "Running"
     assert condition(pod, "Ready") == "False"
     delete_and_wait(api, namespace, "crasher")
+
+
+def test_a_pod_held_by_a_finalizer_is_stopped_on_deletion_and_never_restarted(
+    api: client.ApiClient, namespace: str, kubelet: ProcessKubelet
+) -> None:
+    """A deleted pod's containers stop for good, whatever holds the object (a finalizer keeps
+    it, with its last status, for as long as someone wants): as the kubelet, which starts no
+    container of a pod with a deletionTimestamp, not even one in CrashLoopBackOff whose back-off
+    runs out, nor when the terminating pod is changed (labels, ownerReferences patched on)."""
+    core = client.CoreV1Api(api)
+    crash = "import sys\nopen(sys.argv[1], 'w').write('claim')\nsys.exit(3)\n"
+    manifest = pod_manifest(
+        kubelet.node_name,
+        "held",
+        [
+            {
+                "name": "main",
+                "image": "python:3.11",
+                "command": ["python3", "-c", crash, "/dev/termination-log"],
+            }
+        ],
+        restartPolicy="Always",
+        terminationGracePeriodSeconds=1,
+    )
+    manifest["metadata"]["finalizers"] = [HOLD]
+    core.create_namespaced_pod(namespace, manifest)
+    try:
+        wait_for(
+            "a restart",
+            pod_when(
+                api, namespace, "held", lambda p: container_status(p, "main").get("restartCount", 0) >= 1
+            ),
+            timeout=30,
+            every=0.05,
+        )
+        core.delete_namespaced_pod("held", namespace)
+        # the kubelet's last word on it: the final status, then the deletion confirmed (grace 0)
+        stopped = wait_for(
+            "the kubelet to stop the pod and confirm its deletion",
+            pod_when(
+                api,
+                namespace,
+                "held",
+                lambda p: (
+                    p["metadata"].get("deletionGracePeriodSeconds") == 0
+                    and p["status"].get("phase") in ("Failed", "Succeeded")
+                ),
+            ),
+            timeout=30,
+        )
+        runs = container_status(stopped, "main")["restartCount"]
+        # its last run, ended, not a CrashLoopBackOff with a restart to come (the run the
+        # deletion found, if one was starting: stopped by SIGTERM)
+        last = container_status(stopped, "main")["state"].get("terminated")
+        assert last and last["exitCode"] in (3, 143), stopped["status"]
+        # a change to the terminating pod reaches the kubelet's watch too
+        core.patch_namespaced_pod("held", namespace, {"metadata": {"labels": {"patched": "yes"}}})
+        # Letting time pass is the point: three back-off caps, in which a crash-looping
+        # container not meant to stop would have been started again.
+        restarted = let_time_pass(
+            3 * kubelet.backoff_cap,
+            stop=lambda: (
+                container_status(raw_pod(api, namespace, "held"), "main")["restartCount"] != runs
+                or kubelet.pod_pids(namespace, "held")
+            ),
+        )
+        now = raw_pod(api, namespace, "held")
+        assert not restarted, f"restarted while being deleted: {container_status(now, 'main')}"
+        assert container_status(now, "main")["state"].get("terminated")
+    finally:
+        core.patch_namespaced_pod("held", namespace, [{"op": "remove", "path": "/metadata/finalizers"}])
+    wait_for(
+        "the pod to go",
+        lambda: not [p for p in core.list_namespaced_pod(namespace).items if p.metadata.name == "held"],
+    )
 
 
 def test_fallback_to_logs_file_policy_and_completed_containers(

@@ -213,6 +213,8 @@ def test_kubectl_get_describe_and_metrics_show_the_same_figures(world: World, cl
             "NAME": "svc",
             "MODEL": MODEL,
             "TP": "2",
+            "PP": "1",
+            "PODS": "",
             "READY": "1/1",
             "KV-BUDGET": status["kvBudget"],
             "RANK0": "3Gi",

@@ -17,6 +17,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from rankguard_operator.core.names import LLMSERVICE_LABEL
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.waiting import wait_for
 from rankguard_sim.world import (
@@ -154,3 +155,25 @@ def condition(svc: dict[str, Any], type_: str) -> dict[str, Any] | None:
         if c.get("type") == type_:
             return dict(c)
     return None
+
+
+def serving_pods(api: client.ApiClient, namespace: str) -> dict[str, Any]:
+    """The LLMServices' pods of the namespace that are not being deleted, by name."""
+    items = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=LLMSERVICE_LABEL).items
+    return {p.metadata.name: p for p in items if p.metadata.deletion_timestamp is None}
+
+
+def ready_groups(
+    api: client.ApiClient, namespace: str, name: str, *, groups: int, ranks: int, budget: int | None = None
+) -> dict[str, Any] | None:
+    """The service when all its `groups` are Ready (with `budget` in effect, when given) and
+    `ranks` ranks report fresh figures."""
+    svc = get_llmservice(api, namespace, name)
+    st = svc.get("status") or {}
+    c = condition(svc, "Ready")
+    if not (c and c["status"] == "True" and st.get("ready") == f"{groups}/{groups}"):
+        return None
+    if budget is not None and (st.get("servingFlags") or {}).get("kvCacheMemoryBytes") != budget:
+        return None
+    fresh = [r for r in st.get("ranks") or [] if not r.get("stale")]
+    return svc if len(fresh) == ranks else None

@@ -65,11 +65,12 @@ def test_rank0_oom_is_remediated_to_ready_with_headroom(
 
     out = cluster.kubectl("get", "llmservice", name, "-n", e2e_namespace).stdout
     header, row = out.splitlines()[:2]
-    assert header.split()[:10] == [
-        "NAME", "MODEL", "TP", "READY", "KV-BUDGET", "RANK0", "MIN-HEADROOM", "BOTTLENECK", "PHASE", "AGE",
+    assert header.split()[:12] == [
+        "NAME", "MODEL", "TP", "PP", "PODS", "READY", "KV-BUDGET", "RANK0", "MIN-HEADROOM", "BOTTLENECK",
+        "PHASE", "AGE",
     ]  # fmt: skip
-    cells = row.split()
-    assert cells[3] == "1/1" and cells[4].endswith("Gi") and cells[5].endswith(("Gi", "Mi"))
+    cells = row.split()  # PODS is empty for one pod per replica: no cell
+    assert cells[4] == "1/1" and cells[5].endswith("Gi") and cells[6].endswith(("Gi", "Mi"))
     events = client.CoreV1Api(api).list_namespaced_event(
         e2e_namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=LLMService"
     )

@@ -26,7 +26,7 @@ from rankguard_operator.core.render.pod import served_argv
 from rankguard_sim.kube.cluster import ControlPlane
 from tests.builders import llmservice
 
-from .conftest import apply_service, condition, get_llmservice, wait_for
+from .conftest import apply_service, get_llmservice, ready_groups, serving_pods, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -115,23 +115,8 @@ def group_watch(api: client.ApiClient, e2e_namespace: str) -> Iterator[GroupWatc
         yield gw
 
 
-def _pods(api: client.ApiClient, ns: str) -> dict[str, Any]:
-    items = client.CoreV1Api(api).list_namespaced_pod(ns, label_selector=LLMSERVICE_LABEL).items
-    return {p.metadata.name: p for p in items if p.metadata.deletion_timestamp is None}
-
-
 def _ready_groups(api: client.ApiClient, ns: str, budget: int | None = None) -> dict[str, Any] | None:
-    """The service when both groups are Ready (with `budget` in effect, when given) and every
-    rank of both pods of a group reports."""
-    svc = get_llmservice(api, ns, NAME)
-    st = svc.get("status") or {}
-    c = condition(svc, "Ready")
-    if not (c and c["status"] == "True" and st.get("ready") == "2/2"):
-        return None
-    if budget is not None and (st.get("servingFlags") or {}).get("kvCacheMemoryBytes") != budget:
-        return None
-    fresh = [r for r in st.get("ranks") or [] if not r.get("stale")]
-    return svc if len(fresh) == 16 else None
+    return ready_groups(api, ns, NAME, groups=2, ranks=16, budget=budget)
 
 
 # four starts of two groups (the first, the remediation, a recreation, a roll of two)
@@ -196,18 +181,18 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
     assert " 2/2 " in out[1] and f"on {st['bottleneckPod']}" in out[1], out
 
     # 3. A deleted pod starts its group again, as a whole, with the budget kept.
-    before = {n: p.metadata.uid for n, p in _pods(api, ns).items()}
+    before = {n: p.metadata.uid for n, p in serving_pods(api, ns).items()}
     client.CoreV1Api(api).delete_namespaced_pod(f"{NAME}-g1-w-1", ns)
 
     def recreated() -> dict[str, Any] | None:
-        now = {n: p.metadata.uid for n, p in _pods(api, ns).items()}
+        now = {n: p.metadata.uid for n, p in serving_pods(api, ns).items()}
         group1 = [n for n in before if n.startswith(f"{NAME}-g1-")]
         if any(now.get(n) in (None, before[n]) for n in group1):
             return None
         return _ready_groups(api, ns, budget)
 
     wait_for("group 1 recreated whole and Ready, budget kept", recreated, 300)
-    now = {n: p.metadata.uid for n, p in _pods(api, ns).items()}
+    now = {n: p.metadata.uid for n, p in serving_pods(api, ns).items()}
     assert all(now[n] == before[n] for n in before if n.startswith(f"{NAME}-g0-")), "group 0 was touched"
     events = client.CoreV1Api(api).list_namespaced_event(ns, field_selector=f"involvedObject.name={NAME}")
     assert any(e.reason == "GroupRecreated" for e in events.items)
@@ -229,7 +214,7 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
     )
 
     def rolled() -> dict[str, Any] | None:
-        pods = _pods(api, ns)
+        pods = serving_pods(api, ns)
         if len(pods) != 4:
             return None
         if not all(revision.items() <= (p.metadata.annotations or {}).items() for p in pods.values()):

@@ -1,5 +1,8 @@
 """Drill 3: pods that only look like the service's must not move its KV budget.
 
+(Over 450 lines because the drill is one story: every forgery is made beside the same Ready
+service and judged over the same operator passes, with the admission policy and without.)
+
 Labels are not a trust boundary: anyone allowed to create pods in the namespace can give a
 pod rankguard's labels. Next to a Ready service the drill creates, as such a person would,
 pods with the labels and annotations of the service's pod template (so they look like pods of
@@ -24,6 +27,13 @@ with pods naming the service's real ReplicaSet. So, named as that ReplicaSet nam
 - (c) `forged-copy`: the ReplicaSet's pod template copied exactly, under a name of its own, on
   a node that does not exist (it never runs), held by a finalizer. Ignored: wrong-name.
 - (d) `fin`: (b) held by a finalizer, so it lingers whatever the controller does.
+- (e) `init` (issue 50): the ReplicaSet's pod template copied (the vllm container, restartPolicy
+  and name as the real pod's) but the agent-install init container swapped for one that writes
+  a fake agent, which writes the claim and exits; created as an orphan without labels, held by
+  a finalizer, deleted once the claim is in its status (the ReplicaSet controller never counts
+  a pod being deleted), then patched to carry the labels and the real ReplicaSet as controller.
+  Ignored: not-from-template (the init container is compared); and its claim, written before
+  the pod was anyone's, would not count even if it were not (core/step/trust).
 
 Once they have reached the state that used to trigger action (terminated with the claim;
 Ready and answering; patched), the drill lets the operator make several passes and asserts
@@ -50,7 +60,13 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from rankguard_agent.wire import termination as tm
-from rankguard_operator.core.names import TERMINATION_LOG, VLLM_CONTAINER, owner_reference
+from rankguard_operator.core.names import (
+    AGENT_ENTRY,
+    AGENT_INIT_CONTAINER,
+    TERMINATION_LOG,
+    VLLM_CONTAINER,
+    owner_reference,
+)
 from rankguard_operator.core.units import GiB, MiB
 from rankguard_sim.kube import testbin
 from rankguard_sim.kube.cluster import K8S_VERSION
@@ -72,10 +88,21 @@ REASONS = {
     "race": "not-from-template",
     "forged-copy": "wrong-name",
     "fin": "not-from-template",
+    "init": "not-from-template",
 }
 TOTAL = round(79.14 * GiB)  # the scenario's A100 80 GB, as PyTorch reports it
 # Runs with the image's python (standard library only), as anything in a pod could.
 WRITE_TERMINATION = "import os, sys; open(sys.argv[1], 'w').write(os.environ['MESSAGE']); sys.exit(1)"
+# (e)'s init container: writes the fake agent where the agent-install one puts the real one.
+WRITE_AGENT = "import os, sys; open(sys.argv[1], 'w').write(os.environ['AGENT'])"
+# The fake agent, run by the vllm container's own command line (`python3 <agent entry> launch
+# ... --termination-log <path> ...`): the claim where the real agent writes its record.
+FAKE_AGENT = """
+import sys
+argv = sys.argv
+open(argv[argv.index('--termination-log') + 1], 'w').write({claim!r})
+sys.exit(1)
+"""
 SERVE_REPORT = """
 import http.server, json, os, time
 doc = json.loads(os.environ['REPORT'])
@@ -143,11 +170,44 @@ def fetch_report(ip: str, port: int) -> dict[str, Any] | None:
 
 
 def terminated_with_claim(pod: dict[str, Any] | None) -> bool:
+    """A container's run ended with the claim (the run just ended, or the one before a restart)."""
     for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
-        message = ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
-        if tm.CUDA_OOM in message:
-            return True
+        for view in ("state", "lastState"):
+            message = ((cs.get(view) or {}).get("terminated") or {}).get("message") or ""
+            if tm.CUDA_OOM in message:
+                return True
     return False
+
+
+def fake_agent_installer(rs_template: dict[str, Any], name: str, node: str) -> dict[str, Any]:
+    """(e): the ReplicaSet's pod template, but its agent-install init container writes a fake
+    agent; an orphan without labels (anyone's to create), held by the drill's finalizer."""
+    spec = copy.deepcopy(rs_template["spec"])
+    spec["nodeName"] = node
+    for init in spec["initContainers"]:
+        if init["name"] == AGENT_INIT_CONTAINER:
+            # the agent entry as an argument: the process kubelet rewrites it to the volume's folder
+            init.update(
+                image="python:3.12",
+                command=["python3", "-c", WRITE_AGENT, AGENT_ENTRY],
+                env=[{"name": "AGENT", "value": FAKE_AGENT.format(claim=oom_claim())}],
+            )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "annotations": dict(rs_template["metadata"].get("annotations") or {}),
+            "finalizers": [HOLD],
+        },
+        "spec": spec,
+    }
+
+
+def stopped_by_kubelet(pod: dict[str, Any] | None) -> bool:
+    """A deleted pod whose kubelet has stopped it and confirmed (a finalizer holds the object)."""
+    meta = (pod or {}).get("metadata") or {}
+    return bool(meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds") == 0
 
 
 def pod_ready(pod: dict[str, Any] | None) -> bool:
@@ -298,9 +358,12 @@ def run_drill(d: Drill, policy: bool) -> None:
 
     def named(key: str) -> str:
         # (a), (b), (d) are named as the ReplicaSet names its pods: only their spec gives them away
-        return {"late": f"{rs_name}-late2", "race": f"{rs_name}-race2", "fin": f"{rs_name}-fin22"}.get(
-            key, key
-        )
+        return {
+            "late": f"{rs_name}-late2",
+            "race": f"{rs_name}-race2",
+            "fin": f"{rs_name}-fin22",
+            "init": f"{rs_name}-init2",
+        }.get(key, key)
 
     copied = {"apiVersion": "v1", "kind": "Pod", "metadata": {}, "spec": copy.deepcopy(rs_template["spec"])}
     copied["metadata"]["annotations"] = dict(rs_template["metadata"].get("annotations") or {})
@@ -322,12 +385,18 @@ def run_drill(d: Drill, policy: bool) -> None:
     late = forged_pod(named("late"), template, node.node_name, claim, restartPolicy="Never")
     late["metadata"]["labels"] = {}
     d.core.create_namespaced_pod(d.namespace, late)
+    # (e): an orphan too, until its claim is written
+    d.core.create_namespaced_pod(
+        d.namespace, fake_agent_installer(rs_template, named("init"), node.node_name)
+    )
 
     def pod_named(name: str) -> dict[str, Any] | None:
         return next((p for p in d.pods() if p["metadata"]["name"] == name), None)
 
     def forged_in_place() -> bool:
-        late_done = terminated_with_claim(pod_named(named("late")))
+        late_done = terminated_with_claim(pod_named(named("late"))) and terminated_with_claim(
+            pod_named(named("init"))
+        )
         if policy:
             return late_done
         lying = pod_named("forged-report")
@@ -342,14 +411,25 @@ def run_drill(d: Drill, policy: bool) -> None:
 
     wait_for("the forged pods to claim an OOM and serve the lie", forged_in_place, 120, dump=d.dump)
     assert (pod_named(named("late")) or {}).get("status", {}).get("phase") == "Failed"
-    # (a) the late patch: the labels and the real ReplicaSet as controller, once Failed
+    # (e) deleted with its claim in its status: the finalizer keeps it, stopped, and the
+    # ReplicaSet controller counts no pod being deleted, so nothing removes it
+    d.core.delete_namespaced_pod(named("init"), d.namespace)
+    wait_for(
+        "the kubelet to stop the deleted fake-agent pod",
+        lambda: stopped_by_kubelet(pod_named(named("init"))),
+        60,
+        dump=d.dump,
+    )
+    assert terminated_with_claim(pod_named(named("init")))
+    # (a), (e) the late patch: the labels and the real ReplicaSet as controller, once ended
     patch = {"metadata": {"labels": dict(rs_template["metadata"]["labels"]), "ownerReferences": [rs_owner]}}
-    try:
-        d.core.patch_namespaced_pod(named("late"), d.namespace, patch)
-        refusals["late"] = None
-    except ApiException as e:
-        assert e.status == 403, (e.status, e.body)
-        refusals["late"] = str(json.loads(e.body)["message"])
+    for late_one in ("late", "init"):
+        try:
+            d.core.patch_namespaced_pod(named(late_one), d.namespace, patch)
+            refusals[late_one] = None
+        except ApiException as e:
+            assert e.status == 403, (e.status, e.body)
+            refusals[late_one] = str(json.loads(e.body)["message"])
 
     if policy:
         # every forgery refused by the API server, each saying what to do
@@ -406,8 +486,11 @@ def run_drill(d: Drill, policy: bool) -> None:
         return
     # each forged pod counted once, with its reason; the race pod only if it lived to be seen
     # (the ReplicaSet controller may delete it at once, as one replica too many)
-    race_seen = 1 if named("race") in left else int(ignored("not-from-template")) - 2
-    assert race_seen in (0, 1), f"not-from-template counted {race_seen + 2} times for 2-3 pods"
+    others = sum(1 for p, why in REASONS.items() if why == "not-from-template" and p != "race")
+    race_seen = 1 if named("race") in left else int(ignored("not-from-template")) - others
+    assert race_seen in (0, 1), (
+        f"not-from-template counted {race_seen + others} times for {others}-{others + 1} pods"
+    )
     expected = {
         r: sum(1 for p, why in REASONS.items() if why == r and p != "race") for r in set(REASONS.values())
     }

@@ -146,14 +146,16 @@ that became multi-node or the groups of one that stopped being).
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # spec.distributed.workload LeaderWorkerSet: one LeaderWorkerSet per LLMService, by
-# server-side apply (the LWS controller, installed separately, runs the groups).
+# server-side apply (the LWS controller, installed separately, runs the groups); deleted when
+# the service changes to another workload.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "create", "patch"]
-# The Service in front of each LLMService's serving pods, also by server-side apply.
+  verbs: ["get", "create", "patch", "delete"]
+# The Service in front of each LLMService's serving pods, also by server-side apply; delete:
+# a multi-node service's headless Service goes when the service stops running StatefulSet groups.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Read-only: pod IPs to scrape each agent's /report, and container terminations
 # (OOMKilled, the agent's CUDA OOM termination message) to remediate.
 - apiGroups: [""]

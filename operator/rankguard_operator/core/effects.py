@@ -35,8 +35,10 @@ class ApplyObject:
 
 @dataclass(frozen=True)
 class DeleteObject:
-    """Delete an object rankguard rendered and no longer wants (a group beyond spec.replicas,
-    the Deployment of a service that became multi-node, or the groups of one that stopped being)."""
+    """Delete an object rankguard rendered and no longer wants (a group beyond spec.replicas, or
+    what a service's old shape applied: its Deployment, StatefulSets, headless Service or
+    LeaderWorkerSet). The edge deletes it only when this LLMService is its controller; one
+    already gone is fine."""
 
     kind: str
     name: str

@@ -178,6 +178,35 @@ def group_service_name(name: str) -> str:
     return f"{group_base(name)}-nodes"
 
 
+# What the LeaderWorkerSet controller (kubernetes-sigs/lws, api/leaderworkerset/v1) names and
+# labels: here, below render and observe, because both read them (render writes the LWS, observe
+# follows its StatefulSets and pods back to it).
+LWS_KIND = "LeaderWorkerSet"
+LWS_SET_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+
+
+# The LWS name must be a DNS-1035 label (LWS's webhook) and leave room for what LWS derives
+# from it: the workers' StatefulSet `<lws>-<group>` puts `controller-revision-hash:
+# <lws>-<group>-<hash of up to 10>` on its pods, a label value of at most 63 characters, and
+# `<lws>-<group>` is also the group's headless Service. With groups numbered up to 4 digits:
+# 63 - len("-9999") - len("-") - 10 = 47.
+MAX_LWS_NAME = 47
+
+
+def lws_name(name: str) -> str:
+    """The LeaderWorkerSet's name for the LLMService `name`: its Service name (a DNS-1035
+    label), cut to MAX_LWS_NAME with a hash of the full name when longer."""
+    base = service_name(name)
+    if len(base) <= MAX_LWS_NAME:
+        return base
+    return with_hash(base, MAX_LWS_NAME, name)
+
+
 def group_labels(name: str, group: int, role: str) -> dict[str, str]:
     return {**labels(name), GROUP_LABEL: str(group), ROLE_LABEL: role}
 

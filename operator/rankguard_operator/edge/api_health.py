@@ -6,7 +6,9 @@ watch fails at once. Logged one by one that is thousands of lines a minute with 
 which buries the one fact a person needs. Instead every failed call reports here: the first
 failure of an outage logs one WARNING ("API server unreachable"), later failures only count
 (`rankguard_operator_api_errors_total`), and the first success logs one INFO ("API server
-reachable again after N s"). While down, one probe (`GET /readyz`, which every authenticated
+reachable again after N s", N counted from when the first failed call was made, not from when
+it gave up: a call to a dead API server fails only after the client's connect timeouts and
+retries, which can be most of the outage). While down, one probe (`GET /readyz`, which every authenticated
 account may read) runs for the whole operator, so recovery is noticed even when no loop has
 anything to call. kopf's own request retries are folded in by `KopfRetryFilter`.
 """
@@ -32,6 +34,7 @@ class ApiHealth:
 
     def __init__(self) -> None:
         self.down_since: float | None = None
+        self.last_ok: float | None = None  # when a call last succeeded (monotonic)
         self.failed_calls = 0
         self._probe: asyncio.Task[None] | None = None
         self._probe_call: Callable[[], Awaitable[bool]] | None = None
@@ -45,12 +48,18 @@ class ApiHealth:
         """How to ask whether the API server answers again (edge/k8s.readyz)."""
         self._probe_call = probe
 
-    def failed(self, what: str, error: str, kind: str = "unreachable") -> None:
+    def failed(self, what: str, error: str, kind: str = "unreachable", since: float | None = None) -> None:
+        """`since`: when the failed call was made (time.monotonic), when the caller knows; the
+        outage is dated from the earliest failed call, but never before the last success."""
         API_ERRORS.labels(kind=kind).inc()
         self.failed_calls += 1
+        began = time.monotonic() if since is None else since
+        if self.last_ok is not None:
+            began = max(began, self.last_ok)
         if self.down_since is not None:
+            self.down_since = min(self.down_since, began)
             return
-        self.down_since = time.monotonic()
+        self.down_since = began
         API_REACHABLE.set(0)
         API_OUTAGES.inc()
         log.warning(
@@ -62,9 +71,11 @@ class ApiHealth:
         self._start_probe()
 
     def succeeded(self) -> None:
+        now = time.monotonic()
+        self.last_ok = now
         if self.down_since is None:
             return
-        took = time.monotonic() - self.down_since
+        took = now - self.down_since
         log.info(
             "API server reachable again after %.0f s (%d calls failed meanwhile)", took, self.failed_calls
         )

@@ -42,7 +42,7 @@ from rankguard_operator.core.effects import (
     WriteIntent,
     WriteStatus,
 )
-from rankguard_operator.core.names import name_problem
+from rankguard_operator.core.names import LWS_KIND, OWNER_KIND, lws_name, name_problem
 from rankguard_operator.core.step import (
     ConfigRead,
     Memory,
@@ -56,6 +56,7 @@ from rankguard_operator.core.step import (
     config_from_configmap,
     invalid_spec,
     needs,
+    reads_leader_worker_set,
     reconcile,
     refused_apply,
     trust,
@@ -216,6 +217,15 @@ class ServiceExecutor:
                 del self._applied_sets[name]
         return [out[n] for n in sorted(out)]
 
+    async def _leader_worker_set(self, spec: Mapping[str, Any], state: ServiceState) -> dict[str, Any] | None:
+        """The service's LeaderWorkerSet (the middle link of its pods' owner chain), read when its
+        spec asks for one or status records one (core/step/keep: one gone is applied again, one
+        no longer wanted deleted): LWS is an optional CRD, so it is not watched (no CRD, no LWS:
+        None)."""
+        if not reads_leader_worker_set(spec, state):
+            return None
+        return await k8s.get_object(LWS_KIND, lws_name(self.name), self.namespace)
+
     async def _run_once(self, seen: Seen) -> str:
         body = seen.body
         meta = body.get("metadata") or {}
@@ -224,6 +234,7 @@ class ServiceExecutor:
         generation = int(meta.get("generation") or 0)
         uid = str(meta.get("uid") or "")
         deployment = self._deployment(seen.deployment)
+        lws = await self._leader_worker_set(spec, state)
         trusted = trust(
             seen.pods,
             seen.replicaset_owner,
@@ -232,6 +243,8 @@ class ServiceExecutor:
             statefulsets=self._statefulsets(seen.statefulsets),
             memory=self._trust,
             now=time.monotonic(),
+            wall=time.time(),
+            leader_worker_set=lws,
         )
         self._trust = trusted.memory
         for ignored in trusted.newly_ignored:
@@ -253,7 +266,9 @@ class ServiceExecutor:
             new_id=uuid.uuid4().hex[:12],
             deployment=deployment,
             statefulsets=owned_sets,
+            leader_worker_set=lws,
             pods=pods,
+            counted_runs=trusted.counted_runs,
             reports=[(s.pod, s.report, s.received_at) for s in scraped.reports],
             model_config=await self._model_config(wanted.config_map, generation),
             cache_claim=await self.claims.get(wanted.claim, generation) if wanted.claim else None,
@@ -347,8 +362,7 @@ class ServiceExecutor:
                 if stored.get("kind") == "StatefulSet":
                     self._applied_sets[str(stored["metadata"]["name"])] = (time.monotonic(), stored)
             elif isinstance(effect, DeleteObject):
-                await k8s.delete(effect.kind, effect.name, effect.namespace)
-                self._applied_sets.pop(effect.name, None)
+                await self._delete(effect, str((body.get("metadata") or {}).get("uid") or ""))
             elif isinstance(effect, (ApplyService, ApplyClaim)):
                 await live_owner.apply(effect.body)
             elif isinstance(effect, PostEvent):
@@ -357,6 +371,28 @@ class ServiceExecutor:
                 rv = await k8s.patch_status(self.namespace, self.name, effect.patch)
                 self._status_written = time.monotonic()
                 self._remember(rv, step.state)
+
+    async def _delete(self, effect: DeleteObject, uid: str) -> None:
+        """Delete what the step no longer wants, read first: only an object this LLMService
+        controls (by UID) goes, and only that very object (a UID precondition, so one re-created
+        in between under the same name stays). One already gone is fine."""
+        self._applied_sets.pop(effect.name, None)
+        if effect.kind == "Deployment":
+            self._applied = None  # our last apply no longer stands in for the watch's view
+        live = await k8s.get_object(effect.kind, effect.name, effect.namespace)
+        if live is None:
+            return
+        meta = live.get("metadata") or {}
+        if not uid or _controller_uid(live) != uid:
+            log.info(
+                "LLMService %s/%s: not deleting %s %s: another controller owns it",
+                self.namespace,
+                self.name,
+                effect.kind,
+                effect.name,
+            )
+            return
+        await k8s.delete(effect.kind, effect.name, effect.namespace, uid=str(meta.get("uid") or ""))
 
     async def _event(self, body: Mapping[str, Any], e: PostEvent) -> None:
         now = time.monotonic()
@@ -398,6 +434,14 @@ def _older(rv: str, than: str) -> bool:
         return int(rv) < int(than)
     except ValueError:
         return False
+
+
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The UID of the LLMService controlling `obj` (None: none, or another kind controls it)."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == OWNER_KIND:
+            return str(ref.get("uid") or "")
+    return None
 
 
 def _meta(obj: Mapping[str, Any], key: str) -> str:

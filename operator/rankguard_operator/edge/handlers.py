@@ -38,10 +38,12 @@ from rankguard_operator.core.names import (
     API_GROUP,
     API_VERSION,
     LLMSERVICE_LABEL,
+    LWS_SET_NAME_LABEL,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     PLURAL,
     label_value,
+    lws_name,
 )
 from rankguard_operator.core.observe import ownership
 from rankguard_operator.core.observe.pod_blockers import CONTAINERS_KEY
@@ -203,6 +205,8 @@ async def serving_pods(
         "metadata": {
             "name": meta.get("name"),
             "uid": meta.get("uid"),
+            # made before or after this operator's first pass (core/step/trust: what counts)
+            "creationTimestamp": meta.get("creationTimestamp"),
             "labels": dict(meta.get("labels") or {}),
             "annotations": dict(meta.get("annotations") or {}),
             "deletionTimestamp": meta.get("deletionTimestamp"),
@@ -241,6 +245,18 @@ async def serving_statefulsets(
     kept = without_managed_fields(body)  # shares its spec and status with the body
     _release(body)
     return {(namespace, service): kept}
+
+
+@kopf.index("apps", "v1", "statefulsets", labels={LWS_SET_NAME_LABEL: kopf.PRESENT}, when=_ours)
+async def leader_worker_statefulsets(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    """A LeaderWorkerSet's StatefulSets by (namespace, the LWS's name): LWS's controller makes
+    them with its own labels only (none of rankguard's), so they are found by LWS's name label;
+    core/observe/ownership follows them back to the LLMService through the LWS."""
+    kept = without_managed_fields(body)
+    _release(body)
+    return {(namespace, labels.get(LWS_SET_NAME_LABEL)): kept}
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED, when=_ours)
@@ -356,6 +372,7 @@ async def service_daemon(
     deployments: kopf.Index[Any, Any] = kwargs["serving_deployments"]
     replicasets: kopf.Index[Any, Any] = kwargs["replicaset_owners"]
     statefulsets: kopf.Index[Any, Any] = kwargs["serving_statefulsets"]
+    lws_sets: kopf.Index[Any, Any] = kwargs["leader_worker_statefulsets"]
     names: kopf.Index[Any, Any] = kwargs["llmservice_names"]
     assert namespace is not None  # LLMService is namespaced
     config = _config(memo)
@@ -378,7 +395,7 @@ async def service_daemon(
                 pods=pods,
                 deployment=next(iter(deployments.get((namespace, name), [])), None),
                 replicaset_owner=_owners(replicasets, namespace, pods),
-                statefulsets=list(statefulsets.get(key, [])),
+                statefulsets=[*statefulsets.get(key, []), *lws_sets.get((namespace, lws_name(name)), [])],
                 name_rivals=NameRivals(
                     str(body.get("metadata", {}).get("creationTimestamp") or ""),
                     tuple(_rivals(names, namespace, name, body.get("spec"))),

@@ -1,4 +1,6 @@
 """The operator's writes and reads against the API server (the I/O edge, nothing decided here).
+(Over 450 lines because it is one error policy, below, applied to every call the operator
+makes: split, each part would have to repeat which answer means what.)
 
 The kubernetes client is synchronous; every call runs in a worker thread so the kopf event
 loop never blocks. Writes use server-side apply with the field manager `rankguard`, so the
@@ -19,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,8 +30,8 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from rankguard_operator.core.names import API_GROUP, API_VERSION, OWNER_KIND, PLURAL, label_value
-from rankguard_operator.core.render.leader_worker_set import LWS_GROUP, LWS_KIND, LWS_PLURAL, LWS_VERSION
+from rankguard_operator.core.names import API_GROUP, API_VERSION, LWS_KIND, OWNER_KIND, PLURAL, label_value
+from rankguard_operator.core.render.leader_worker_set import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from rankguard_operator.edge.api_health import HEALTH
 
 log = logging.getLogger("rankguard_operator.k8s")
@@ -82,6 +85,27 @@ class ApplyRefused(Exception):
         self.kind, self.name, self.status, self.detail = kind, name, status, detail
 
 
+class LeaderWorkerSetMissing(ApplyRefused):
+    """`workload: LeaderWorkerSet` on a cluster that does not serve the LeaderWorkerSet API
+    (the apply answered 404): LWS is installed separately, rankguard only applies the object."""
+
+    reason = "LeaderWorkerSetMissing"
+    advice = (
+        f"Install LeaderWorkerSet v0.10 (its CRD and controller: "
+        f"https://lws.sigs.k8s.io/docs/installation/, {LWS_GROUP}/{LWS_VERSION}) or set "
+        "spec.distributed.workload to StatefulSet; rankguard applies the LeaderWorkerSet as soon "
+        "as the API serves it"
+    )
+
+    def __init__(self, name: str, detail: str) -> None:
+        Exception.__init__(
+            self,
+            f"LeaderWorkerSet {name} cannot be created: this cluster does not serve "
+            f"{LWS_PLURAL}.{LWS_GROUP} (HTTP 404: {detail})",
+        )
+        self.kind, self.name, self.status, self.detail = LWS_KIND, name, 404, detail
+
+
 class ApiUnavailable(Exception):
     """The API server is unreachable or answers 5xx: nothing can be read or written now.
     `HEALTH` has logged it (once per outage); the loop waits and tries again."""
@@ -105,6 +129,9 @@ _CONNECTION_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 async def _call(what: str, call: Callable[[], Any]) -> Any:
     """One client call off the event loop. Outages become ApiUnavailable (told to HEALTH);
     any answer below 500 means the API server is up, and its ApiException goes to the caller."""
+    # a failure is told with when the call was made: it comes only after the client's timeouts
+    # and retries, and the outage began before that
+    started = time.monotonic()
     try:
         result = await asyncio.to_thread(call)
     except ApiException as e:
@@ -112,12 +139,12 @@ async def _call(what: str, call: Callable[[], Any]) -> Any:
             HEALTH.succeeded()
             raise  # the server answered: it refused the object (below), it is not down
         if e.status >= 500:
-            HEALTH.failed(what, f"HTTP {e.status} {e.reason}", kind="server-error")
+            HEALTH.failed(what, f"HTTP {e.status} {e.reason}", kind="server-error", since=started)
             raise ApiUnavailable(f"{what}: HTTP {e.status} {e.reason}") from e
         HEALTH.succeeded()
         raise
     except _CONNECTION_ERRORS as e:
-        HEALTH.failed(what, type(e).__name__)
+        HEALTH.failed(what, type(e).__name__, since=started)
         raise ApiUnavailable(f"{what}: the API server is unreachable ({type(e).__name__})") from e
     HEALTH.succeeded()
     return result
@@ -232,24 +259,36 @@ async def apply(obj: Mapping[str, Any]) -> dict[str, Any]:
     except ApiException as e:
         if e.status in (400, 403, 422) or _refused_as_500(e):
             raise ApplyRefused(kind, meta["name"], e.status, _refusal_detail(e)) from e
+        if e.status == 404 and kind == LWS_KIND:
+            # the namespace exists (the LLMService is in it): the resource itself is not served
+            raise LeaderWorkerSetMissing(meta["name"], _refusal_detail(e)) from e
         raise _temporary(e, what) from e
     return dict(result)
 
 
-# The kinds rankguard deletes when it no longer wants them, and the API call for each.
+# The kinds rankguard deletes when it no longer wants them (a group, or what a service's old
+# shape applied), and the API call for each.
 _DELETERS: dict[str, tuple[Any, str]] = {
     "Deployment": (client.AppsV1Api, "delete_namespaced_deployment"),
     "StatefulSet": (client.AppsV1Api, "delete_namespaced_stateful_set"),
+    "Service": (client.CoreV1Api, "delete_namespaced_service"),
 }
 
 
-async def delete(kind: str, name: str, namespace: str) -> None:
-    """Delete an object rankguard rendered (its pods go with it: background propagation). One
-    already gone is fine."""
-    group, method = _DELETERS[kind]
+async def delete(kind: str, name: str, namespace: str, *, uid: str | None = None) -> None:
+    """Delete an object rankguard rendered (its pods go with it: background propagation), only
+    the one of UID `uid` when given (a precondition). One already gone is fine."""
+    body = client.V1DeleteOptions(
+        propagation_policy="Background", preconditions=client.V1Preconditions(uid=uid) if uid else None
+    )
 
     def call() -> Any:
-        return getattr(group(api()), method)(name, namespace, propagation_policy="Background")
+        if kind == LWS_KIND:
+            return client.CustomObjectsApi(api()).delete_namespaced_custom_object(
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, name, body=body
+            )
+        group, method = _DELETERS[kind]
+        return getattr(group(api()), method)(name, namespace, body=body)
 
     what = f"deleting {kind} {name}"
     try:
@@ -257,6 +296,8 @@ async def delete(kind: str, name: str, namespace: str) -> None:
     except ApiException as e:
         if e.status == 404:
             return
+        if e.status == 409 and uid:
+            return  # the precondition failed: that object is gone, another holds the name now
         if e.status in (400, 403, 422):
             raise ApplyRefused(kind, name, e.status, _refusal_detail(e)) from e
         raise _temporary(e, what) from e

@@ -131,3 +131,16 @@ def make_pki(folder: Path) -> Pki:
         )
     )
     return p
+
+
+def make_self_signed(folder: Path, cn: str) -> tuple[Path, Path]:
+    """A self-signed serving certificate for 127.0.0.1 (and localhost), written as `tls.crt`
+    and `tls.key` in `folder` (the names controller-runtime's webhook server reads): a webhook
+    that the API server reaches by `url`, its configuration's caBundle being the cert itself."""
+    folder.mkdir(parents=True, exist_ok=True)
+    key = _key()
+    name = _name(cn)
+    crt, key_path = folder / "tls.crt", folder / "tls.key"
+    _write_key(key, key_path)
+    _write_cert(_cert(name, key, name, key, server=True), crt)
+    return crt, key_path

@@ -26,14 +26,13 @@ Where the sandbox differs from a real node, and only here:
   each element of a `:`-separated env value) gets the local folder instead; workingDir
   likewise. The terminationMessagePath (default /dev/termination-log) is a per-container
   local file, and an argument or env value equal to it is rewritten too.
-* Network. Each pod gets its own loopback address 127.0.0.X (X from 2 to 254, reused
-  after deletion) as pod IP, and every container RANKGUARD_SIM_POD_IP = that address: the
-  sandbox's stand-in for the pod's network namespace. A container may bind the pod IP
-  ($(POD_IP)) or a wildcard: the image's python (rankguard_sim.kubelet.pod_python) and the fake
-  vLLM turn a bind to 0.0.0.0 ("", and :: on a dual-stack socket) into a bind to the pod
-  IP, so pods can listen on the same port apart, as in their own namespaces. IPv6-only
-  wildcards and other programs' binds are not rewritten; 127.0.0.1 is the host's, not the
-  pod's. The node's address is `address`.
+* Network. Each pod gets its own loopback address 127.0.0.X (X from 2 to 254, reused after deletion)
+  as pod IP, and every container RANKGUARD_SIM_POD_IP = that address: the sandbox's stand-in for the
+  pod's network namespace. A container may bind the pod IP ($(POD_IP)) or a wildcard: the image's
+  python (rankguard_sim.kubelet.pod_python) and the fake vLLM turn a bind to 0.0.0.0 ("", and :: on
+  a dual-stack socket) into a bind to the pod IP, so pods can listen on the same port apart, as in
+  their own namespaces. IPv6-only wildcards and other programs' binds are not rewritten; 127.0.0.1
+  is the host's, not the pod's: one sandbox per network namespace (ip_claim.py). Node: `address`.
 * GPUs. `nvidia.com/gpu` limits get simulated GPUs (NVIDIA_VISIBLE_DEVICES = their
   UUIDs in rank order, RANKGUARD_SIM_GPU_ROOT = gpu_root); before a container starts,
   each of its GPUs gets the scenario's `comm_init_bytes` for that rank. With `mig`
@@ -55,13 +54,12 @@ Where the sandbox differs from a real node, and only here:
   RANKGUARD_SIM_CONTAINER in its environment (the sandbox's cgroup); stdout and stderr go
   to a per-container, per-restart log file under workdir.
 
-Modules: this one holds the node (registration, heartbeat, its pods' workers, pod IPs);
-nodegpus.py hands out its GPUs; pod/watch.py watches its pods; pod/api.py makes the API
-calls for pods; pod/worker.py runs one pod on pod/containers.py (its containers as
-processes) and sees this node only as pod/node.py's Protocol, so it never imports this
-module; pod/meta.py reads a pod dict; pod/spec.py, pod/status.py, pod/volumes.py and
-probes.py are the kubelet's rules as pure functions; pod/proc.py is a container's
-processes; image.py is the command table.
+Modules: this one holds the node (registration, heartbeat, its pods' workers, pod IPs); nodegpus.py
+hands out its GPUs; pod/watch.py watches its pods; pod/api.py makes the API calls for pods;
+pod/worker.py runs one pod on pod/containers.py (its containers as processes) and sees this node only as
+pod/node.py's Protocol, so it never imports this module; pod/meta.py reads a pod dict; pod/spec.py,
+pod/status.py, pod/volumes.py and probes.py are the kubelet's rules as pure functions; pod/proc.py is a
+container's processes; image.py is the command table; ip_claim.py claims the pod IPs for the sandbox.
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ from kubernetes import client
 from rankguard_agent.gpu.simfiles import pid_alive
 from rankguard_sim.kube.api import Throttled
 from rankguard_sim.kube.dns import ClusterDns
+from rankguard_sim.kubelet import ip_claim
 from rankguard_sim.kubelet.image import build_image
 from rankguard_sim.kubelet.nodegpus import MigLayout, NodeGpus
 from rankguard_sim.kubelet.nodes import heartbeat, register_node
@@ -181,6 +180,7 @@ class ProcessKubelet:
             on_gone=self._gone,
         )
         self._started = False
+        self._claim = ip_claim.UNCLAIMED  # the pool's first pod IP, claimed while it runs
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -188,6 +188,7 @@ class ProcessKubelet:
         if self._started:
             raise RuntimeError("this ProcessKubelet was already started")
         self._started = True
+        self._claim = ip_claim.claim(self._ips)  # first: a second sandbox here has our pod IPs
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.image = self._build_image()
         self._gpus.create(seed=self.node_name)
@@ -242,6 +243,7 @@ class ProcessKubelet:
         self._threads.clear()
         self._api.close()
         self._watch_api.close()
+        self._claim.release()  # every pod stopped: its IPs are free for another sandbox
         if self._started:
             log.info("node %s: process kubelet stopped", self.node_name)
 

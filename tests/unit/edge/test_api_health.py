@@ -9,6 +9,7 @@ calls a port nothing listens on.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +30,7 @@ def unreachable_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(k8s, "_api", api)
     monkeypatch.setattr(HEALTH, "down_since", None)
     monkeypatch.setattr(HEALTH, "failed_calls", 0)
+    monkeypatch.setattr(HEALTH, "last_ok", None)
     try:
         yield
     finally:
@@ -98,3 +100,36 @@ def test_kopfs_retry_lines_are_folded_into_the_outage_and_others_pass() -> None:
         assert folded.filter(record("Handler 'service_daemon' failed with an exception.")) is True
     finally:
         HEALTH.succeeded()
+
+
+async def test_the_outage_is_dated_from_the_first_failed_call_not_from_its_last_retry(
+    unreachable_api: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 50: an etcd outage of ~51 s logged as "reachable again after 7 s". A call to a dead
+    # API server fails only after the client's timeouts and retries; the outage began when the
+    # call was made. Here the client's call gives up after 2 s, as urllib3's would after its
+    # retries.
+    def gives_up_late() -> None:
+        time.sleep(2.0)
+        raise ConnectionRefusedError("connection refused")
+
+    with pytest.raises(k8s.ApiUnavailable):
+        await k8s._call("get deployments", gives_up_late)
+    with caplog.at_level(logging.INFO, logger="rankguard_operator"):
+        HEALTH.succeeded()
+    [line] = [r.getMessage() for r in caplog.records if "reachable again" in r.getMessage()]
+    assert line == "API server reachable again after 2 s (1 calls failed meanwhile)"
+
+
+def test_a_call_made_before_the_last_success_does_not_date_the_outage_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(HEALTH, "down_since", None)
+    monkeypatch.setattr(HEALTH, "failed_calls", 0)
+    start = time.monotonic()
+    HEALTH.succeeded()  # a call answered after `start - 60` was made: the server was up then
+    HEALTH.failed("watch", "OSError", since=start - 60)
+    assert HEALTH.down_since is not None and HEALTH.down_since >= start
+    with caplog.at_level(logging.INFO, logger="rankguard_operator"):
+        HEALTH.succeeded()
+    assert caplog.records[-1].getMessage().startswith("API server reachable again after 0 s")

@@ -354,9 +354,15 @@ def granted_by(define: str) -> set[tuple[str, str, str]]:
 def test_the_rbac_rules_are_the_table_in_docs_rbac_md() -> None:
     granted = granted_by("rankguard.rules")
     assert not any(verb in {"deletecollection", "*", "update"} for _, _, verb in granted)
-    # delete only what a live LLMService stops wanting: a group, a Deployment replaced by groups
+    # delete only what a live LLMService stops wanting: a group, or what its old shape applied
+    # (a Deployment, groups, their headless Service, a LeaderWorkerSet)
     deletes = {(group, res) for group, res, verb in granted if verb == "delete"}
-    assert deletes == {("apps", "deployments"), ("apps", "statefulsets")}
+    assert deletes == {
+        ("apps", "deployments"),
+        ("apps", "statefulsets"),
+        ("", "services"),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+    }
     # Nodes are cluster-scoped: a Role could not grant them, so they are in the cluster rules alone.
     assert not any(res in {"secrets", "nodes", "customresourcedefinitions"} for _, res, _ in granted)
     assert granted == doc_rules()

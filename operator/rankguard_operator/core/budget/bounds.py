@@ -19,7 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 from rankguard_operator.core.budget.kv_model import default_block_size
-from rankguard_operator.core.budget.memory_model import PlanError, act_bytes, pp_layer_partition
+from rankguard_operator.core.budget.memory_model import (
+    PlanError,
+    act_bytes,
+    lazy_comm_prior_bytes,
+    pp_layer_partition,
+    runtime_peak_bytes,
+)
 from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.model.checkpoint import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.model.resolve import ModelResolution, resolve
@@ -189,6 +195,25 @@ def kv_ceiling(spec: ServiceSpec, plan: Plan | None) -> int | None:
         safe = min(r.safe_kv_bytes for r in plan.ranks)
         bounds.append(round_down(safe, block_unit(plan)))
     return min(bounds) if bounds else None
+
+
+def after_kv_bytes(plan: Plan, rank: int | None, *, enforce_eager: bool) -> int:
+    """What a rank allocates after its KV cache when the engine sizes the cache before capturing
+    graphs (estimate sizing, or any byte budget), by the plan: the CUDA-graph pool (none under
+    --enforce-eager), then the sampler warm-up's logits and fp32 copies, which a serving step's
+    transients reuse (`runtime_peak_bytes`: the larger of them and the activations), and on a
+    pipeline-terminal rank the NCCL memory the first pipeline traffic creates
+    (`lazy_comm_prior_bytes`). Start-up order: EngineMemoryModel.startup (allocate_kv,
+    capture_cuda_graphs, warm_up_sampler), then start_serving. Under a byte budget all of it comes
+    out of what the KV cache left free. `rank` None: the largest of every rank's."""
+    inp = plan.inputs
+    ranks = [r for r in plan.ranks if rank is None or r.rank == rank] or list(plan.ranks)
+    return max(
+        (0 if enforce_eager else r.cudagraph_bytes)
+        + runtime_peak_bytes(r.activation_bytes, r.logits_bytes, r.sampler_bytes)
+        + lazy_comm_prior_bytes(r.rank, inp.tp, inp.pp)
+        for r in ranks
+    )
 
 
 def equivalent_utilization(plan: Plan, kv_bytes: int) -> float:

@@ -4,7 +4,8 @@
   status keeps, the nodes' GPU Feature Discovery labels), with where it comes from.
 * `check_budget_fits`: the spec's budget inputs against that size and against one request of
   maxModelLen (the model's own KV layout): a pinned budget vLLM would refuse at start-up, a
-  floor no GPU of this size can hold, a safety margin that leaves no room for the floor.
+  floor no GPU of this size can hold, or that does not fit beside the least the weights need, a
+  safety margin that leaves no room for the floor.
   Raises `SpecError`, so the step refuses the spec (phase Failed, reason InvalidSpec) and
   applies nothing.
 * `weights_fit`: after the weights did not load, the split (more TP) or the GPU size whose
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+from rankguard_operator.core.budget.bounds import plan_input
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes
 from rankguard_operator.core.budget.kv_model import default_block_size, resolve_max_model_len, stage_layouts
 from rankguard_operator.core.budget.memory_model import PlanError
@@ -103,8 +105,9 @@ def _request_floor(
 def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int, str] | None) -> None:
     """Raise SpecError when the spec asks for a KV budget no start can have: a pinned budget
     below one request at maxModelLen, or a pinned budget, a floor or one request that does not
-    fit in one GPU. Only what is certain: the GPU's whole memory, not an estimate of what the
-    weights leave (a floor above that starts at the floor, Degraded, as before)."""
+    fit in one GPU, or a floor above what the least each rank needs beside its KV cache leaves.
+    Only what is certain: the GPU's whole memory and the least a rank needs, not the planner's
+    estimate of what it needs (a floor above the estimate starts at the floor, Degraded)."""
     pinned = spec.memory.kv_cache_memory_bytes
     floor = spec.remediation.min_kv_cache_bytes
     one = request_floor(spec, model)
@@ -144,6 +147,37 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
             "(spec.tensorParallelSize, spec.pipelineParallelSize), or set spec.engine.kvCacheDtype: fp8"
         )
     _check_margin(spec, size, gpu_text, floor, one)
+    if floor is not None and spec.memory.kv_cache_memory_bytes is None:
+        _check_floor_beside_weights(spec, model, size, gpu_text, floor)
+
+
+def _check_floor_beside_weights(
+    spec: ServiceSpec, model: ModelResolution, size: int, gpu_text: str, floor: int
+) -> None:
+    """A floor above what the least a rank needs beside its KV cache leaves (its weights, the
+    smallest non-torch memory a vLLM process was seen to hold, the fp32 logits: the planner's
+    feasibility side, never its estimate) cannot start: the first render is the floor, its KV
+    allocation runs out of memory on every start, and the service crash-loops until OOMAtFloor.
+    Refused before anything is deployed instead. Only with a modelled shape: a measure-first
+    model has no weights to count yet."""
+    shape = model.plan_shape
+    if shape is None:
+        return
+    try:
+        plan = make_plan(plan_input(spec, shape, size, checkpoint=model.checkpoint))
+    except PlanError:
+        return  # the plan's own refusal is the step's, with its message
+    rank = min(plan.ranks, key=lambda r: r.total_bytes - r.least_non_kv_bytes)
+    most = rank.total_bytes - rank.least_non_kv_bytes
+    if floor > most:
+        raise BudgetDoesNotFit(
+            f"spec.remediation.minKVCacheBytes ({format_bytes(floor)}, the floor of the per-GPU KV "
+            f"budget) does not fit in {gpu_text} beside what rank {rank.rank} needs at the least "
+            f"({format_bytes(rank.least_non_kv_bytes)}: its weights, the CUDA context, the logits), "
+            f"which leaves at most {format_bytes(max(0, most))}: every start would run out of memory "
+            "allocating the KV cache. Lower it below that, spread the model over more GPUs "
+            "(spec.tensorParallelSize, spec.pipelineParallelSize), or remove it"
+        )
 
 
 def _check_margin(spec: ServiceSpec, size: int, gpu_text: str, floor: int | None, one: int | None) -> None:

@@ -48,6 +48,23 @@ class NodeGpu:
     bytes: int
     mig: bool  # a MIG slice: the label is the slice's size, the agents' NVML total may not be
     node: str = ""
+    resource: str = ""  # the extended resource it is the size of (spec.resources.gpuResourceName)
+
+    def to_status(self) -> dict[str, object]:
+        """status.nodeGpu: kept so a render does not lose it while no pod runs."""
+        return {"bytes": self.bytes, "mig": self.mig, "node": self.node, "resource": self.resource}
+
+    @classmethod
+    def from_status(cls, doc: object) -> NodeGpu | None:
+        """status.nodeGpu as stored; None when absent or not what `to_status` writes."""
+        if not isinstance(doc, Mapping):
+            return None
+        size, mig, node, resource = doc.get("bytes"), doc.get("mig"), doc.get("node", ""), doc.get("resource")
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= _MAX_MIB * MiB:
+            return None
+        if not isinstance(mig, bool) or not isinstance(node, str) or not isinstance(resource, str):
+            return None
+        return cls(size, mig, node, resource)
 
 
 def _mib(value: object) -> int | None:
@@ -71,7 +88,7 @@ def node_gpu_memory(labels: Mapping[str, str], resource: str, node: str = "") ->
         and labels.get(MIG_STRATEGY_LABEL) == "single"
         and "-MIG-" in labels.get(PRODUCT_LABEL, "")
     )
-    return NodeGpu(mib * MiB, mig, node)
+    return NodeGpu(mib * MiB, mig, node, resource)
 
 
 def gpu_from_nodes(nodes: Mapping[str, Mapping[str, str]], resource: str) -> NodeGpu | None:

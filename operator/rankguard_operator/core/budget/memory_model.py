@@ -331,3 +331,15 @@ def context_prior_bytes(rank: int, tp: int, pp: int) -> int:
     if pp > 1 and rank // tp == pp - 1:
         prior = max(prior, PP_TERMINAL_COMM_PRIOR_BYTES)
     return prior
+
+
+def lazy_comm_prior_bytes(rank: int, tp: int, pp: int) -> int:
+    """The part of a pipeline-terminal rank's context+communication prior that NCCL creates with
+    the first pipeline traffic, after the KV cache is allocated (the PP-terminal floor above the
+    CUDA context, communicator and custom all-reduce priors); 0 on any other rank."""
+    if pp == 1 or rank // tp != pp - 1:
+        return 0
+    at_init = CONTEXT_PRIOR_BYTES + NCCL_PRIOR_BYTES  # world = tp × pp > 1 here
+    if tp in CUSTOM_ALLREDUCE_WORLD_SIZES:
+        at_init += CUSTOM_ALLREDUCE_PRIOR_BYTES
+    return max(0, PP_TERMINAL_COMM_PRIOR_BYTES - at_init)

@@ -8,6 +8,13 @@ So a group whose pods restarted, or whose members (the pods it was complete with
 StatefulSet generation in status.groups) are no longer all there, must be started again as a
 whole (core/step/group_roll).
 
+Under `workload: LeaderWorkerSet` the sets are LWS's: one leader StatefulSet for every group
+(named as the LWS, its pod `<lws>-<group>` a group's leader) and one worker StatefulSet per group
+(named as its leader pod), none carrying rankguard's group label; a pod's group and node rank are
+LWS's own labels (`leaderworkerset.sigs.k8s.io/group-index`; the node rank, `…/worker-index`,
+reaches vLLM through the downward API: render/leader_worker_set.node_rank_env). LWS restarts and
+rolls those groups itself; rankguard only reads them.
+
 Pure: no I/O.
 """
 
@@ -17,7 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankguard_operator.core.names import GROUP_LABEL, ROLE_LABEL, TEMPLATE_HASH_ANNOTATION, VLLM_CONTAINER
+from rankguard_operator.core.names import (
+    GROUP_LABEL,
+    LWS_GROUP_INDEX_LABEL,
+    LWS_SET_NAME_LABEL,
+    ROLE_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
+    VLLM_CONTAINER,
+)
 from rankguard_operator.core.observe.pods import carried_template_hash, get_path, pod_ready
 
 LEADER, WORKER = "leader", "worker"
@@ -160,24 +174,48 @@ class Groups:
         return self.by_index.get(index)
 
 
-def _group_of(obj: Mapping[str, Any]) -> int | None:
-    v = get_path(obj, "metadata", "labels", GROUP_LABEL)
+def _label_int(obj: Mapping[str, Any] | None, label: str) -> int | None:
+    v = get_path(obj, "metadata", "labels", label)
     try:
-        return int(v) if isinstance(v, str) else None
+        return int(v) if isinstance(v, str) and v.isascii() and v.isdigit() else None
     except ValueError:
         return None
+
+
+def _group_of(obj: Mapping[str, Any]) -> int | None:
+    """rankguard's group label, else LWS's group index (an LWS pod, a worker set of LWS)."""
+    own = _label_int(obj, GROUP_LABEL)
+    return own if own is not None else _label_int(obj, LWS_GROUP_INDEX_LABEL)
+
+
+def _lws_leader_set(s: Mapping[str, Any]) -> bool:
+    """LWS's leader StatefulSet: LWS's name label and no group index (that is a worker set's)."""
+    labels = get_path(s, "metadata", "labels") or {}
+    return LWS_SET_NAME_LABEL in labels and LWS_GROUP_INDEX_LABEL not in labels
 
 
 def live_groups(
     statefulsets: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], size: int
 ) -> Groups:
-    """Group the service's StatefulSets and (trusted) pods by their group label."""
+    """Group the service's StatefulSets and (trusted) pods by their group label (LWS's own
+    for a LeaderWorkerSet's: its one leader set is every group's leader set)."""
     sets: dict[int, dict[str, Mapping[str, Any]]] = {}
+    shared_leader: Mapping[str, Any] | None = None
     for s in statefulsets:
+        if _lws_leader_set(s):
+            shared_leader = s
+            continue
         i = _group_of(s)
         role = get_path(s, "metadata", "labels", ROLE_LABEL)
+        if role is None and get_path(s, "metadata", "labels", LWS_SET_NAME_LABEL) is not None:
+            role = WORKER  # LWS's worker set carries LWS's labels only
         if i is not None and role in (LEADER, WORKER):
             sets.setdefault(i, {})[str(role)] = s
+    if shared_leader is not None:
+        for i in range(_int(get_path(shared_leader, "spec", "replicas"))):
+            sets.setdefault(i, {})
+        for roles in sets.values():
+            roles.setdefault(LEADER, shared_leader)
     members: dict[int, list[Mapping[str, Any]]] = {}
     for p in pods:
         i = _group_of(p)

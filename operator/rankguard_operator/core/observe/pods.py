@@ -44,6 +44,12 @@ FAILURE_KINDS: tuple[TerminationKind, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_
 # Exit codes of a process stopped by SIGINT/SIGTERM (128 + signal): a normal rollout or
 # scale-down stopping the pod, never an engine failure.
 _STOP_EXIT_CODES = (130, 143)
+# 128 + SIGKILL: the container's main process (the launcher) was killed by something outside the
+# engine: a person, a node agent, the kubelet after a probe's grace period. The kernel's OOM
+# killer is the kubelet's own reason, OOMKilled, and is told apart there. A killed launcher writes
+# no termination message, so the log tail the kubelet keeps is its last line, never the cause.
+SIGKILL_EXIT_CODE = 137
+SIGKILLED = f"killed by SIGKILL (exit {SIGKILL_EXIT_CODE})"
 _MAX_MESSAGE = 1024
 
 
@@ -135,6 +141,13 @@ class Termination:
     others_peak_bytes: int | None = None  # the most others held on its GPU, as its agent saw
 
     @property
+    def sigkilled(self) -> bool:
+        """The launcher was killed by SIGKILL, not by the kernel's OOM killer (OOMKilled)."""
+        return (
+            self.kind == ENGINE_ERROR and self.exit_code == SIGKILL_EXIT_CODE and self.reason != "OOMKilled"
+        )
+
+    @property
     def key(self) -> str:
         """Dedup key: the same run seen twice (or in state and lastState) has the same key."""
         return f"{self.pod_uid}/{self.container}/{self.restart_count}"
@@ -177,6 +190,9 @@ def _from_log_tail(text: str, reason: str, exit_code: int | None, *, group_pod: 
             }
         if isinstance(seen, KVTooSmall):
             return {"kind": KV_CACHE_TOO_SMALL, "message": seen.text}
+    if exit_code == SIGKILL_EXIT_CODE and reason != "OOMKilled":
+        # said as what it is: the tail is whatever the launcher logged last, not why it died
+        return {"kind": ENGINE_ERROR, "message": SIGKILLED}
     stopped = exit_code in _STOP_EXIT_CODES or reason == "Completed" or exit_code == 0
     tail = text.strip().splitlines()[-1] if text.strip() else ""
     return {"kind": OTHER if stopped else ENGINE_ERROR, "message": tail}
@@ -259,12 +275,35 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
     return out
 
 
-def new_terminations(pods: Sequence[Mapping[str, Any]], seen: Sequence[str] | set[str]) -> list[Termination]:
-    """Terminations across `pods` whose key is not in `seen`, each once, oldest first."""
+def first_unended_run(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> int:
+    """The number of the earliest run of `container` that has not ended yet in the pod's status
+    (its restartCount, one more when that run is already `terminated`; 0 before it started)."""
+    for cs in get_path(pod, "status", "containerStatuses") or []:
+        if not isinstance(cs, Mapping) or cs.get("name") != container:
+            continue
+        restarts = cs.get("restartCount")
+        restarts = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0
+        return restarts + (1 if isinstance(get_path(cs, "state", "terminated"), Mapping) else 0)
+    return 0
+
+
+def new_terminations(
+    pods: Sequence[Mapping[str, Any]],
+    seen: Sequence[str] | set[str],
+    counted_from: Mapping[str, int] | None = None,
+) -> list[Termination]:
+    """Terminations across `pods` whose key is not in `seen`, each once, oldest first.
+    `counted_from`: pod UID -> the first run whose end counts (core/step/trust: the pod was
+    trusted before that run ended); a pod not in it counts none. None: every run counts (the
+    offline tools, which replay recorded pods without trust's memory)."""
     known = set(seen)
     out: list[Termination] = []
     for pod in pods:
+        uid = str(get_path(pod, "metadata", "uid") or "")
+        first = 0 if counted_from is None else counted_from.get(uid)
         for t in terminations(pod):
+            if first is None or t.restart_count < first:
+                continue
             if t.key not in known:
                 known.add(t.key)
                 out.append(t)

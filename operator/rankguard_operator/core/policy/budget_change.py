@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rankguard_operator.core.budget.bounds import block_unit, kv_floor, round_down, utilization_kv_bytes
+from rankguard_operator.core.budget.bounds import (
+    after_kv_bytes,
+    block_unit,
+    kv_floor,
+    round_down,
+    utilization_kv_bytes,
+)
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import Termination
@@ -56,6 +62,23 @@ def clamped_target(inp: PolicyInput, action: Action, target: int) -> int:
     if ceiling is not None:
         target = min(target, ceiling)
     return target
+
+
+def after_kv_room(inp: PolicyInput, rank: int | None) -> tuple[int, str] | None:
+    """(bytes, what they are) a rank allocates after its KV cache, by the plan
+    (budget.bounds.after_kv_bytes under the flags in effect: no graphs under --enforce-eager);
+    None without a plan. A KV-allocation OOM's cut leaves this room, and reclaim may give it back
+    once live headroom shows it unused (headroom_rules.bad_budget_cap)."""
+    if inp.plan is None:
+        return None
+    spec_eager = inp.spec.engine.enforce_eager
+    eager = spec_eager if inp.current is None else inp.current.or_spec("enforce_eager", spec_eager)
+    what = (
+        "a step's transients" if eager else "the CUDA-graph pool, the sampler warm-up and a step's transients"
+    )
+    if inp.plan.inputs.pp > 1:
+        what += ", and on the last stage the NCCL memory pipeline traffic creates"
+    return after_kv_bytes(inp.plan, rank, enforce_eager=eager), what
 
 
 def oom_deficit(t: Termination, base: int) -> tuple[int, bool]:

@@ -16,9 +16,11 @@ from rankguard_operator.core.observe.pods import (
     ENGINE_ERROR,
     KV_CACHE_TOO_SMALL,
     OOM_KILLED,
+    SIGKILLED,
     Termination,
 )
 from rankguard_operator.core.policy.budget_change import (
+    after_kv_room,
     budget_change,
     effective_budget,
     oom_deficit,
@@ -101,13 +103,21 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
         )
     base, base_text = eff
     deficit, assumed = oom_deficit(worst, base)
+    after, after_text = 0, ""
+    room = after_kv_room(inp, worst.rank) if worst.phase == PHASE_KV_ALLOCATION else None
+    if room is not None:
+        # The KV cache is allocated before the graphs are captured, the sampler warms up and the
+        # first steps run, so under a byte budget they get what the cache left: a cut of only the
+        # deficit and the margin fails again at capture (issue 50). The cut leaves them room.
+        after = room[0]
+        after_text = f", plus {format_bytes(after)} for {room[1]}, which come after the KV cache"
     if assumed:
         how = (
             f" (the message gave no figures: {format_bytes(deficit)} assumed, plus the "
-            f"{format_bytes(margin)} safety margin)"
+            f"{format_bytes(margin)} safety margin{after_text})"
         )
     else:
-        how = f" (deficit {format_bytes(deficit)} plus the {format_bytes(margin)} safety margin)"
+        how = f" (deficit {format_bytes(deficit)} plus the {format_bytes(margin)} safety margin{after_text})"
     if cur.kv_cache_memory_bytes is None:
         how += f"; switching from gpu-memory-utilization to bytes, starting from {base_text}"
     if worst.phase is not None:
@@ -115,7 +125,7 @@ def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | No
     d = budget_change(
         inp,
         "shrink",
-        base - deficit - margin,
+        base - deficit - margin - after,
         base,
         trigger=T_CUDA_OOM,
         why=what if worst.phase is None else f"{what} while allocating the KV cache",
@@ -295,8 +305,7 @@ def rule_engine_error(inp: PolicyInput, rel: Sequence[Termination]) -> Decision 
         trigger=T_ENGINE_ERROR,
         reason=STATUS_ACTIONS["rollback"],
         message=(
-            f"vLLM exited with an engine error in pod {t.pod_name} (exit code {t.exit_code}: "
-            f"{t.message[:200]}) after the change to {cur.describe()}; rolling back to the last known good "
+            f"{_ended(t)} after the change to {cur.describe()}; rolling back to the last known good "
             f"flags: {lkg.describe()}"
         ),
         rank=t.rank,
@@ -325,6 +334,19 @@ def last_error_line(message: str) -> str:
     return line if len(line) <= ERROR_LINE_CHARS else line[: ERROR_LINE_CHARS - 1] + "\u2026"
 
 
+def _ended(t: Termination) -> str:
+    """How the run ended, for a message: a SIGKILLed launcher as what it is (its log tail is only
+    what it printed last), else the engine error with its exit code and words."""
+    if t.sigkilled:
+        return (
+            f"vLLM's container in pod {t.pod_name} was {SIGKILLED}: something outside the engine "
+            "killed it (not the kernel's OOM killer, which the kubelet names OOMKilled)"
+        )
+    return (
+        f"vLLM exited with an engine error in pod {t.pod_name} (exit code {t.exit_code}: {t.message[:200]})"
+    )
+
+
 def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
     """Rule 5b: an engine error that no rollback can fix (nothing to roll back to, or the flags
     are the known good ones). The first one is said once (the pod restarts, it may pass); a
@@ -339,6 +361,9 @@ def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
     t = max(errs, key=lambda x: (x.restart_count, x.finished_at or 0.0))
     line = last_error_line(t.message)
     code = "" if t.exit_code is None else f", exit code {t.exit_code}"
+    said = (
+        _ended(t) if t.sigkilled else f'vLLM exited with an engine error in pod {t.pod_name}{code}: "{line}"'
+    )
     if t.restart_count < 1 and len(errs) < 2:
         return make_decision(
             inp,
@@ -347,8 +372,8 @@ def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
             trigger=T_ENGINE_ERROR,
             reason="EngineError",
             message=(
-                f'vLLM exited with an engine error in pod {t.pod_name}{code}: "{line}"; the pod '
-                "restarts. If it fails again rankguard reports the service Degraded (EngineCrashLoop)"
+                f"{said}; the pod restarts. If it fails again rankguard reports the service Degraded "
+                "(EngineCrashLoop)"
             ),
             rank=t.rank,
             handled=keys,
@@ -360,6 +385,11 @@ def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
         if lkg is None or lkg == cur
         else "the error is not the latest change's (it came before it)"
     )
+    looped = (
+        f"vLLM keeps ending ({runs} runs ended; the last: its container in pod {t.pod_name} was {SIGKILLED})"
+        if t.sigkilled
+        else f'vLLM keeps exiting with an engine error ({runs} runs ended; pod {t.pod_name}{code}): "{line}"'
+    )
     return make_decision(
         inp,
         "degrade",
@@ -367,8 +397,7 @@ def rule_engine_crash_loop(inp: PolicyInput, rel: Sequence[Termination]) -> Deci
         trigger=T_ENGINE_ERROR,
         reason="EngineCrashLoop",
         message=(
-            f"vLLM keeps exiting with an engine error ({runs} runs ended; pod {t.pod_name}{code}): "
-            f'"{line}". This is not a memory failure rankguard can fix, and {why}; fix what the '
+            f"{looped}. This is not a memory failure rankguard can fix, and {why}; fix what the "
             "error names (spec.engine.extraArgs, spec.image, spec.model, or spec.template: env, "
             "secrets, volumes, node placement) and apply the change"
         ),

@@ -6,9 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from rankguard_agent.wire.termination import PHASE_KV_ALLOCATION
 from rankguard_operator.core.budget.bounds import block_unit, is_measured, kv_ceiling, round_down
 from rankguard_operator.core.observe.pods import Termination
-from rankguard_operator.core.policy.budget_change import budget_change, effective_budget, utilization_base
+from rankguard_operator.core.policy.budget_change import (
+    after_kv_room,
+    budget_change,
+    effective_budget,
+    utilization_base,
+)
 from rankguard_operator.core.policy.decision import (
     Decision,
     PolicyInput,
@@ -164,13 +170,22 @@ def rule_replan(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None
 
 def bad_budget_cap(inp: PolicyInput, unit: int) -> int | None:
     """For a day after a crash or regression, growing stops at the budget that fixed it; after
-    a pressure shrink, one block below the budget that was under pressure."""
+    a pressure shrink, one block below the budget that was under pressure. A KV-allocation OOM's
+    cut also left the plan's room for what comes after the KV cache (crash_rules.rule_cuda_oom),
+    a prior that may overstate it: that room is not a budget that failed, so growing may take it
+    back as far as live headroom shows it unused, never to the budget that failed."""
     caps = []
     for h in inp.history:
         if inp.now - h.time > BAD_BUDGET_MEMORY_SECONDS:
             continue
-        if h.trigger in (T_CUDA_OOM, T_HEADROOM_WORSE) and h.to_flags.kv_cache_memory_bytes is not None:
-            caps.append(h.to_flags.kv_cache_memory_bytes)
+        to = h.to_flags.kv_cache_memory_bytes
+        if h.trigger == T_CUDA_OOM and h.phase == PHASE_KV_ALLOCATION and to is not None:
+            room = after_kv_room(inp, h.rank)
+            failed = h.from_flags.kv_cache_memory_bytes if h.from_flags is not None else None
+            back = to + round_down(room[0], unit) if room is not None else to
+            caps.append(back if failed is None else max(to, min(back, failed - unit)))
+        elif h.trigger in (T_CUDA_OOM, T_HEADROOM_WORSE) and to is not None:
+            caps.append(to)
         elif h.trigger == T_LOW_HEADROOM and h.from_flags is not None and h.from_flags.kv_cache_memory_bytes:
             caps.append(h.from_flags.kv_cache_memory_bytes - unit)
     return min(caps) if caps else None

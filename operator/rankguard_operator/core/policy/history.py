@@ -1,8 +1,9 @@
 """The remediation history: what rankguard changed, when and why, as kept in `.status`.
 
 `Remediation` is one automatic change; `to_status` / `from_status` map it to the CRD's
-`status.remediations[]` item (time, trigger, action, rank, from, to, revision, message, and for
-a CUDA OOM answered by a lever its phase and lever) and back. The policy reads the history for
+`status.remediations[]` item (time, trigger, action, rank, the pod and the group of a multi-node
+service, from, to, revision, message, and for a CUDA OOM answered by a lever its phase and lever)
+and back. The policy reads the history for
 its guard rails (cooldown, changes per hour, the budgets that failed in the last day) and for
 the OOM levers' escalation (oom_levers.py).
 
@@ -54,6 +55,10 @@ class Remediation:
     phase: str | None = None  # the engine phase of the CUDA OOM it answered (None: unknown)
     lever: str | None = None  # the OOM lever it moved (tunables.LEVERS)
     lever_from: int | bool | None = None  # that lever's value before (the spec's when no flag set it)
+    # where it happened: the pod whose run or figures triggered it, and its group (multi-node);
+    # a person reading the history of a 16-pod service needs more than a rank (issue 50)
+    pod: str | None = None
+    group: int | None = None
 
     def to_status(self) -> dict[str, Any]:
         """The CRD's remediation item; from/to carry the value that changed (bytes for the KV
@@ -68,6 +73,10 @@ class Remediation:
         }
         if self.rank is not None:
             doc["rank"] = self.rank
+        if self.pod is not None:
+            doc["pod"] = self.pod[:253]
+        if self.group is not None:
+            doc["group"] = self.group
         if self.phase is not None:
             doc["phase"] = self.phase
         if self.lever is not None:
@@ -117,6 +126,7 @@ class Remediation:
             or ServingFlags()
         )
         rank = doc.get("rank")
+        pod, group = doc.get("pod"), doc.get("group")
         revision = doc.get("revision")
         return cls(
             time=t,
@@ -132,6 +142,8 @@ class Remediation:
             phase=phase if isinstance(phase, str) and phase else None,
             lever=lever,
             lever_from=_lever_value(doc.get("from")) if lever_value else None,
+            pod=pod if isinstance(pod, str) and pod else None,
+            group=group if isinstance(group, int) and not isinstance(group, bool) and group >= 0 else None,
         )
 
 

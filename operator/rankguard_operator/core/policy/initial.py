@@ -4,12 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankguard_operator.core.budget.bounds import block_unit, is_measured, kv_floor, round_down
+from rankguard_operator.core.budget.bounds import (
+    block_unit,
+    is_measured,
+    kv_floor,
+    round_down,
+    utilization_kv_bytes,
+)
 from rankguard_operator.core.budget.planner import Plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy.budget_change import floor_reason
-from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision
-from rankguard_operator.core.policy.tunables import DEFAULT_START_UTILIZATION, KNOBS, T_FLOOR, T_SPEC_CHANGED
+from rankguard_operator.core.policy.decision import Decision, PolicyInput, make_decision, rank_text
+from rankguard_operator.core.policy.history import Remediation
+from rankguard_operator.core.policy.tunables import (
+    BAD_BUDGET_MEMORY_SECONDS,
+    DEFAULT_START_UTILIZATION,
+    KNOBS,
+    LEVER_KV,
+    T_CUDA_OOM,
+    T_FLOOR,
+    T_SPEC_CHANGED,
+)
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.units import format_bytes
 
@@ -30,6 +45,7 @@ def initial_decision(inp: PolicyInput, trigger: str) -> Decision:
     start = _from_spec(inp.spec) or (
         _awaiting_measurement() if inp.plan is None else _from_plan(inp.spec, inp.plan)
     )
+    start = _clear_of_failed(inp, start)
     flags = ServingFlags(
         kv_cache_memory_bytes=start.kv,
         gpu_memory_utilization=start.util,
@@ -45,6 +61,75 @@ def initial_decision(inp: PolicyInput, trigger: str) -> Decision:
         message=lead + start.message,
         rank=start.rank,
         handled=tuple(t.key for t in inp.new_terminations),
+    )
+
+
+def _failed_within_day(inp: PolicyInput) -> list[Remediation]:
+    """The KV-budget answers to CUDA OOMs of the last day (BAD_BUDGET_MEMORY_SECONDS): each one's
+    from-flags hold a budget or utilisation that ran out of GPU memory, its to-flags the byte
+    budget that answered it. Another lever's move (batched tokens, capture size) says nothing
+    about the budget."""
+    return [
+        h
+        for h in inp.history
+        if h.trigger == T_CUDA_OOM
+        and inp.now - h.time <= BAD_BUDGET_MEMORY_SECONDS
+        and h.lever in (None, LEVER_KV)
+        and h.from_flags is not None
+        and h.to_flags.kv_cache_memory_bytes is not None
+    ]
+
+
+def _ran_out(inp: PolicyInput, start: _Start, failed: Remediation) -> str | None:
+    """What of `failed`'s flags the start would run again or exceed ("gpu-memory-utilization 0.9",
+    "the KV budget 30Gi"), None when it starts below it. A utilisation and a byte budget are
+    compared through the plan's estimate when there is one."""
+    frm = failed.from_flags
+    assert frm is not None
+    bad_util, bad_kv = frm.gpu_memory_utilization, frm.kv_cache_memory_bytes
+    if bad_kv is None and bad_util is not None:
+        if start.util is not None and start.util >= bad_util:
+            return f"gpu-memory-utilization {bad_util:g}"
+        if (
+            start.kv is not None
+            and inp.plan is not None
+            and start.kv >= utilization_kv_bytes(inp.plan, bad_util)
+        ):
+            return f"gpu-memory-utilization {bad_util:g}"
+        return None
+    if bad_kv is None:
+        return None
+    kv = start.kv
+    if kv is None and start.util is not None and inp.plan is not None:
+        kv = utilization_kv_bytes(inp.plan, start.util)
+    return f"the KV budget {format_bytes(bad_kv)}" if kv is not None and kv >= bad_kv else None
+
+
+def _clear_of_failed(inp: PolicyInput, start: _Start) -> _Start:
+    """A re-render (a spec edit to a budget input) never restarts at a budget that ran out of GPU
+    memory within the day: it starts at the byte budget rankguard answered that OOM with (or the
+    start's own, when lower), as a crash would have moved it, instead of crash-looping through
+    the OOM again and waiting out the cooldown to fix it (issue 50). A pinned budget is the
+    person's own and is never moved."""
+    if inp.spec.memory.pinned:
+        return start
+    failed = [(h, said) for h in _failed_within_day(inp) if (said := _ran_out(inp, start, h)) is not None]
+    if not failed:
+        return start
+    answered = min(h.to_flags.kv_cache_memory_bytes or 0 for h, _ in failed)
+    kv = answered if start.kv is None else min(start.kv, answered)
+    kv = max(kv, kv_floor(inp.spec, inp.plan))
+    if kv == start.kv:
+        return start  # already at its floor: nothing lower may run
+    h, said = min(failed, key=lambda f: f[0].to_flags.kv_cache_memory_bytes or 0)
+    return _Start(
+        "FailedBudgetAvoided",
+        f"{start.message}; but {said} ran out of GPU memory {(inp.now - h.time) / 60:.0f} min ago "
+        f"({rank_text(h.rank)}), within the day rankguard remembers a failed budget: starting at"
+        f" the per-GPU KV budget {format_bytes(kv)} instead, the one that answered it",
+        kv=kv,
+        rank=h.rank if start.rank is None else start.rank,
+        below_floor=start.below_floor,
     )
 
 

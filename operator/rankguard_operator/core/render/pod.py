@@ -7,7 +7,8 @@ render/leader_worker_set in a LeaderWorkerSet). A group's pods differ only where
 multi-node mode needs them to (`GroupNode`): every pod gets `--nnodes`, `--master-addr` and
 `--master-port`, the leader `--node-rank 0`, serves HTTP and carries the probes; a worker runs
 `--headless --node-rank $(RANKGUARD_NODE_RANK)`, its node rank read from its pod-index label
-through the downward API, with no HTTP probe (a headless vLLM answers none). Every pod of a
+through the downward API, with no HTTP probe (a headless vLLM answers none) but a TCP readiness
+check on the agent's port (ready once its agent listens). Every pod of a
 group asks for its share of the GPUs and tells vLLM its own address (`VLLM_HOST_IP`).
 
 The caller plans once per pass and hands the spec's prior plan in: it sizes the start-up
@@ -381,10 +382,21 @@ def pod_spec(
         "securityContext": dict(_RESTRICTED),
     }
     if serves_http:
-        # A headless worker answers no HTTP: it is ready once it runs, and the group is ready when
-        # its leader is (vLLM's /health answers only once every node joined).
         vllm["readinessProbe"] = _health_probe(2, 3, 2)
         vllm["startupProbe"] = _health_probe(STARTUP_PROBE_PERIOD_SECONDS, startup_failures(spec), 5)
+    else:
+        # A headless worker answers no HTTP (the group is ready when its leader is: vLLM's /health
+        # answers only once every node joined). It is ready once its agent listens: the agent's
+        # own probe runs before its server starts, and a worker counted ready before that would
+        # be reported AgentUnavailable at every group start. A TCP check, not /healthz: an agent
+        # that cannot start leaves a fallback answering 503 on that port, and that pod must still
+        # count, so AgentReady names it.
+        vllm["readinessProbe"] = {
+            "tcpSocket": {"port": "agent"},
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+            "timeoutSeconds": 2,
+        }
     init = {
         "name": AGENT_INIT_CONTAINER,
         "image": spec.agent.image or agent_image,

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard_operator.core.names import (
+    LWS_KIND,
     cache_claim_name,
     group_leader_name,
     group_service_name,
     group_workers_name,
     label_value,
+    lws_name,
     service_name,
 )
-from rankguard_operator.core.render.leader_worker_set import LWS_KIND, lws_name
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
 

@@ -26,6 +26,7 @@ from rankguard_operator.core.policy.history import Remediation, history_from_sta
 from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.status.creep import memory_creep_condition
+from rankguard_operator.core.status.groups import GroupFigure, bounded_rank_lines
 from rankguard_operator.core.units import format_bytes
 
 HISTORY_LIMIT = 20  # the CRD's maxItems for status.remediations
@@ -69,15 +70,21 @@ def rank_rows(observation: Observation | None, tp: int = 1) -> list[dict[str, An
 
 def rank_lines(observation: Observation | None) -> list[str]:
     """`status.perRank`: one readable line per rank (kubectl describe runs the fields of a list
-    of objects together; a list of strings prints one per line)."""
+    of objects together; a list of strings prints one per line), the tightest PER_RANK_LINES
+    of them when there are more (core/status/groups: status.ranks keeps every rank)."""
     if observation is None:
         return []
-    return [
-        f"rank {r.rank}: headroom {format_bytes(r.headroom_bytes)}, free {format_bytes(r.free_bytes)} of "
-        f"{format_bytes(r.total_bytes)} (GPU {r.uuid[:64]}, pod {r.pod[:253]})"
-        + (", stale" if r.stale else "")
-        for r in observation.ranks
-    ]
+    return bounded_rank_lines(
+        [
+            (
+                r.headroom_bytes,
+                f"rank {r.rank}: headroom {format_bytes(r.headroom_bytes)}, "
+                f"free {format_bytes(r.free_bytes)} of {format_bytes(r.total_bytes)} "
+                f"(GPU {r.uuid[:64]}, pod {r.pod[:253]})" + (", stale" if r.stale else ""),
+            )
+            for r in observation.ranks
+        ]
+    )
 
 
 def bottleneck_text(rank: int, pod: str, spec: ServiceSpec | None) -> str:
@@ -352,13 +359,15 @@ def build_status(
     history: Sequence[Mapping[str, Any]],
     blocker: tuple[str, str] | None = None,
     memory_trend: MemoryTrend | None = None,
+    groups: Sequence[GroupFigure] | None = None,
 ) -> dict[str, Any]:
     """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
     status to `status_patch`: fields set to None here are removed, other fields are kept.
     `blocker`: (reason, message) of something observed that keeps the service from serving
     (core/observe/blockers), Degraded while it lasts unless this pass's decision says more.
     `memory_trend`: the tightest rank's headroom over hours (core/observe/memory_trend), shown
-    as `status.memoryTrend` and the MemoryCreep condition."""
+    as `status.memoryTrend` and the MemoryCreep condition. `groups`: a multi-node service's
+    per-group figures (core/status/groups), None for one pod per replica."""
     parsed = history_from_status(list(history))
     last = parsed[-1] if parsed else None
     conditions = _conditions(
@@ -386,6 +395,8 @@ def build_status(
         "conditions": conditions,
         "ranks": rank_rows(observation, spec.tp),
         "perRank": rank_lines(observation) or None,
+        "groupFigures": None if groups is None else [g.to_status() for g in groups],
+        "perGroup": None if groups is None else [g.line(spec.tp) for g in groups] or None,
         **summary_fields(observation, flags, ready_replicas, spec.replicas, spec),
         "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),

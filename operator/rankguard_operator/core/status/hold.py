@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rankguard_agent.wire.change import NEWS_FRACTION
+from rankguard_operator.core.status.groups import DRIFTING
 
 # Figures that only drifted are written at least this often: the trend's sampling period
 # (core/observe/memory_trend writes a sample every 5 minutes anyway).
@@ -38,6 +39,8 @@ _FIGURE_FIELDS = frozenset(
         "bottleneckRank",
         "bottleneckPod",
         "bottleneckStage",
+        "groupFigures",  # core/status/groups: each group's tightest rank follows the ranks
+        "perGroup",
     }
 )
 _ROW_FIGURES = ("freeBytes", "minFreeBytes", "headroomBytes")
@@ -62,6 +65,23 @@ def _row_drifted(a: Mapping[str, Any], b: Mapping[str, Any], lines: Sequence[int
     return all((x < line) == (y < line) for line in lines)
 
 
+def _groups_drifted(old: Any, new: Any) -> bool:
+    """True when the groups' rows differ only in the figures that follow the ranks (a pod that
+    turned ready, or a group that lost or gained its reports, is news)."""
+    if not isinstance(old, list) or not isinstance(new, list) or len(old) != len(new):
+        return False
+    for a, b in zip(old, new, strict=True):
+        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+            return False
+        if {k: v for k, v in a.items() if k not in DRIFTING} != {
+            k: v for k, v in b.items() if k not in DRIFTING
+        }:
+            return False
+        if ("headroomBytes" in a) != ("headroomBytes" in b):
+            return False
+    return True
+
+
 def only_drift(
     old_status: Mapping[str, Any] | None, patch: Mapping[str, Any], lines: Sequence[int] = ()
 ) -> bool:
@@ -72,6 +92,10 @@ def only_drift(
     old_rows = (old_status or {}).get("ranks")
     new_rows = patch["ranks"]
     if not isinstance(old_rows, list) or not isinstance(new_rows, list) or len(old_rows) != len(new_rows):
+        return False
+    if "groupFigures" in patch and not _groups_drifted(
+        (old_status or {}).get("groupFigures"), patch["groupFigures"]
+    ):
         return False
     return all(
         isinstance(a, Mapping) and isinstance(b, Mapping) and _row_drifted(a, b, lines)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankguard_operator.core.budget.gpu_labels import NodeGpu
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import LearnedModel
 from rankguard_operator.core.observe.memory_trend import MemoryTrend
@@ -85,6 +86,10 @@ class ServiceState:
     stuck_since: float | None = None  # core/observe/pod_blockers' clock
     budget_key: str | None = None
     gpu_memory_bytes: int | None = None  # learned from the agents (budget.learned_gpu_bytes)
+    # status.nodeGpu: one GPU's size as the serving pods' nodes' labels last stated it; the
+    # labels are read from the nodes the pods run on, so with no pod (a group replace scales
+    # every set to zero) only this copy remains, and the render must not change for want of it
+    node_gpu: NodeGpu | None = None
     # status.engine (core/status/engine): vLLM's own per-rank memory rows, kept from the
     # start-up that printed them (only a start without --kv-cache-memory-bytes does), and the
     # least free memory a worker found at start-up, both for the budget key they were measured
@@ -139,6 +144,7 @@ class ServiceState:
             stuck_since=_since(s.get("stuckSince")),
             budget_key=s.get("budgetKey") if isinstance(s.get("budgetKey"), str) else None,
             gpu_memory_bytes=_positive_int(s.get("gpuMemoryBytes")),
+            node_gpu=NodeGpu.from_status(s.get("nodeGpu")),
             engine_rows=_engine_rows(engine),
             engine_budget_key=_str(engine.get("budgetKey")),
             startup_free_bytes=_positive_int(engine.get("startupFreeBytes")),

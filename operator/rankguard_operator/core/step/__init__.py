@@ -19,6 +19,7 @@ from rankguard_operator.core.render.claim import claim_settled
 from rankguard_operator.core.render.taken_names import NameRivals
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step.gather import Needs, needs
+from rankguard_operator.core.step.keep import reads_leader_worker_set
 from rankguard_operator.core.step.reconcile import step
 from rankguard_operator.core.step.refusals import invalid_spec, refused_apply
 from rankguard_operator.core.step.replay import Objects
@@ -44,6 +45,7 @@ __all__ = [
     "config_from_configmap",
     "invalid_spec",
     "needs",
+    "reads_leader_worker_set",
     "refused_apply",
     "step",
     "trust",

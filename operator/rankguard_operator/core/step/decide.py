@@ -11,12 +11,13 @@ Pure: no I/O, no clock (`world.now`), no random (`world.new_id`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rankguard_operator.core import policy
 from rankguard_operator.core.effects import Effect, PostEvent, WriteIntent
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.observe.groups import Groups
 from rankguard_operator.core.policy.history import STATUS_ACTIONS, history_from_status
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.status.build import append_history
@@ -59,6 +60,33 @@ def decide(
     )
 
 
+# Where a change was triggered: (the pod, its group of a multi-node service); None when unknown.
+Where = tuple[str | None, int | None]
+
+
+def located(decision: policy.Decision, seen: Observed, groups: Groups | None) -> Where:
+    """The pod a decision answers and its group, for the history record: the pod of the run it
+    handles (the one of its rank first), else the pod whose figures of its rank it read (the
+    worst replica's)."""
+    ended = [t for t in seen.terminations if t.key in decision.handled]
+    ended.sort(key=lambda t: t.rank != decision.rank)  # its own rank's run first, stable otherwise
+    pod: str | None = ended[0].pod_name if ended else None
+    if pod is None and decision.rank is not None:
+        row = seen.observation.rank(decision.rank)
+        pod = None if row is None else row.pod
+    if pod is None or groups is None:
+        return pod, None
+    group = next(
+        (
+            i
+            for i, g in groups.by_index.items()
+            if any(p.get("metadata", {}).get("name") == pod for p in g.pods)
+        ),
+        None,
+    )
+    return pod, group
+
+
 @dataclass(frozen=True)
 class Acted:
     live: Live
@@ -78,13 +106,14 @@ def act(
     live: Live,
     current: ServingFlags | None,
     history: list[dict[str, Any]],
+    where: Where = (None, None),
 ) -> Acted:
     if current is None:
         # the first render: nothing to roll back from
         said = PostEvent("Normal", decision.reason, decision.message, repeat=True)
         return Acted(live, (said,), decision.flags, history)
     if decision.changes_flags:
-        return _change_flags(decision, now, new_id, renderer, live, current, history)
+        return _change_flags(decision, now, new_id, renderer, live, current, history, where)
     if decision.action == "none" and decision.trigger in policy.CRASH_TRIGGERS and decision.message:
         # a crash answered without a change of flags (e.g. a start-up check refusal: the render
         # changes instead); said once per termination
@@ -102,8 +131,11 @@ def _change_flags(  # noqa: PLR0917 - act's inputs, as it has them
     live: Live,
     current: ServingFlags,
     history: list[dict[str, Any]],
+    where: Where = (None, None),
 ) -> Acted:
     record = decision.remediation(now, revision=rid) if decision.is_remediation else None
+    if record is not None:
+        record = replace(record, pod=where[0], group=where[1])
     intent = PendingRemediation(
         id=rid,
         kind=decision.action,

@@ -2,7 +2,16 @@
 moved one pass at a time by core/step/group_roll, or its LeaderWorkerSet), and the Service.
 
 Server-side apply is idempotent; an apply is skipped when the live template already carries
-what the pass would render. A service that changed shape drops what the old shape applied.
+what the pass would render. A LeaderWorkerSet is applied when its render changed, and whenever
+the edge read none (deleted by hand, or never created: an LWS CRD not installed makes the apply
+fail, which the edge says on the LLMService).
+
+A service that changed shape (one pod, StatefulSet groups, a LeaderWorkerSet) deletes what the
+old shape applied, and in the same pass before the new shape's applies: a full cluster schedules
+the new shape's pods only once the old ones have freed their GPUs, so the two never run side by
+side longer than a roll's own overlap, and nothing of the old shape is left running. Only
+objects this LLMService controls (by UID) are deleted; the edge checks the live object again
+before each delete.
 
 Pure: no I/O.
 """
@@ -15,14 +24,20 @@ from typing import Any
 
 from rankguard_operator.core.effects import ApplyObject, ApplyService, DeleteObject, Effect
 from rankguard_operator.core.engine.serving_flags import ServingFlags
+from rankguard_operator.core.names import LWS_KIND, OWNER_KIND, group_service_name
 from rankguard_operator.core.observe.groups import Groups
+from rankguard_operator.core.observe.ownership import controller_of
 from rankguard_operator.core.observe.pods import RolloutState, deployment_template_hash, rollout_state
 from rankguard_operator.core.render.deployment import render_service
 from rankguard_operator.core.render.group import render_group_service
+from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import group_roll
 from rankguard_operator.core.step.rendering import Live, Renderer, apply
 from rankguard_operator.core.step.world import World, same_template
+
+# spec.distributed.workload's shapes, and a one-pod service's
+DEPLOYMENT, STATEFULSET, LWS = "Deployment", "StatefulSet", LWS_KIND
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,22 @@ class Kept:
     rollout: RolloutState  # of the template the pass wants
     members: dict[str, Any] | None = None  # status.groups, when multi-node
     workload_hash: str | None = None  # status.workloadHash, when a LeaderWorkerSet was applied
+    forget_workload: bool = False  # status.workloadHash cleared: the LeaderWorkerSet is gone
+
+
+def shape(spec: ServiceSpec) -> str:
+    """The workload a spec runs on: a Deployment, StatefulSet groups or a LeaderWorkerSet."""
+    return DEPLOYMENT if spec.distributed is None else spec.distributed.workload
+
+
+def reads_leader_worker_set(spec: Mapping[str, Any], state: ServiceState) -> bool:
+    """Whether the edge reads the service's LeaderWorkerSet this pass (World.leader_worker_set):
+    while the spec asks for one (to re-apply one that is gone), and while status says one was
+    applied (to delete it once the spec asks for another shape). From the spec as stored: the
+    edge reads before the step parses."""
+    distributed = spec.get("distributed")
+    wants = isinstance(distributed, Mapping) and distributed.get("workload") == LWS
+    return wants or bool(state.raw.get("workloadHash"))
 
 
 def keep(
@@ -46,7 +77,9 @@ def keep(
 ) -> Kept:
     spec = renderer.spec
     want = renderer.render(current)
-    effects: list[Effect] = []
+    spec_changed = first_pass or world.generation != state.observed_generation
+    # a new service has no old shape; an edited one may have had one
+    effects: list[Effect] = _old_shape(world, shape(spec), edited=spec_changed and not first_pass)
     if not same_template(live.deployment, want, spec.replicas):
         live, applied = apply(live, want)
         effects += applied
@@ -54,38 +87,59 @@ def keep(
     if groups is not None:
         rolled, members, workload_hash = _roll_groups(state, world, want, live, groups)
         effects += rolled
-    elif world.statefulsets:
-        # the service stopped being multi-node: its groups go (the Deployment replaces them)
-        effects += [
-            DeleteObject("StatefulSet", str(s["metadata"]["name"]), world.namespace)
-            for s in world.statefulsets
-        ]
-    if first_pass or world.generation != state.observed_generation:
+    if spec_changed:
         effects.append(ApplyService(render_service(world.name, world.namespace, world.uid, spec)))
-        if spec.distributed is not None and spec.distributed.workload == "StatefulSet":
+        if shape(spec) == STATEFULSET:
             effects.append(ApplyObject(render_group_service(world.name, world.namespace, world.uid)))
     rollout = rollout_state(live.deployment, deployment_template_hash(want) or "")
-    return Kept(live, tuple(effects), rollout, members, workload_hash)
+    # a LeaderWorkerSet recorded but no longer wanted, and gone: nothing left to look for
+    forget = shape(spec) != LWS and world.leader_worker_set is None and bool(state.raw.get("workloadHash"))
+    return Kept(live, tuple(effects), rollout, members, workload_hash, forget)
+
+
+def _ours(obj: Mapping[str, Any] | None, uid: str) -> bool:
+    return obj is not None and bool(uid) and controller_of(obj) == (OWNER_KIND, uid)
+
+
+def _old_shape(world: World, wanted: str, *, edited: bool) -> list[Effect]:
+    """The deletes of what another shape than `wanted` applied and this service controls."""
+    ns, out = world.namespace, list[Effect]()
+    if wanted != DEPLOYMENT and _ours(world.deployment, world.uid):
+        out.append(DeleteObject("Deployment", world.name, ns))
+    if wanted != STATEFULSET:
+        # the groups' sets (their pods go with them); never a set another controller made
+        out += [
+            DeleteObject("StatefulSet", str(s["metadata"]["name"]), ns)
+            for s in world.statefulsets
+            if _ours(s, world.uid)
+        ]
+        if edited:
+            # the headless Service is not watched: looked for when the spec changed (the edge
+            # reads it and deletes it only when this service controls it; none is fine)
+            out.append(DeleteObject("Service", group_service_name(world.name), ns))
+    lws = world.leader_worker_set
+    if wanted != LWS and lws is not None and _ours(lws, world.uid):
+        out.append(DeleteObject(LWS_KIND, str(lws["metadata"]["name"]), ns))
+    return out
 
 
 def _roll_groups(
     state: ServiceState, world: World, want: Mapping[str, Any], live: Live, groups: Groups
 ) -> tuple[list[Effect], dict[str, Any] | None, str | None]:
-    """Move the groups one pass toward `want` (core/step/group_roll); drop the single-pod
-    Deployment of a service that became multi-node. (effects, status.groups, workloadHash)"""
-    effects: list[Effect] = []
-    if world.deployment is not None:
-        effects.append(DeleteObject("Deployment", world.name, world.namespace))
+    """Move the groups one pass toward `want` (core/step/group_roll). (effects, status.groups,
+    workloadHash)"""
     lws = want.get("leaderWorkerSet")
     if lws is not None:
-        # LWS's controller rolls and restarts the groups; rankguard applies when its render changed
+        # LWS's controller rolls and restarts the groups; rankguard applies when its render
+        # changed, for a remediation, and when the edge saw none (deleted by hand, or not created)
         digest = deployment_template_hash(want)
-        if state.raw.get("workloadHash") != digest or live.roll_annotations:
-            return [*effects, ApplyObject(lws)], None, digest
-        return effects, None, None
+        gone = world.leader_worker_set is None
+        if state.raw.get("workloadHash") != digest or live.roll_annotations or gone:
+            return [ApplyObject(lws)], None, digest
+        return [], None, None
     recorded = state.raw.get("groups")
     annotated = {**want, "metadata": {**want["metadata"], "annotations": dict(live.roll_annotations)}}
     plan = group_roll.plan_roll(
         annotated, groups, recorded if isinstance(recorded, dict) else {}, namespace=world.namespace
     )
-    return [*effects, *plan.effects], plan.members, None
+    return plan.effects, plan.members, None

@@ -58,7 +58,7 @@ def observe(
     }
     reports = [r for r in world.reports if r[0] in serving]
     observation = aggregate(reports, world.now, settings.stale_after)
-    ended = pods.new_terminations(world.pods, set(handled))
+    ended = pods.new_terminations(world.pods, set(handled), world.counted_runs)
     ample_since = policy.track_ample_headroom(state.ample_headroom_since, observation, spec, world.now)
     return Observed(
         current_hash=current_hash,

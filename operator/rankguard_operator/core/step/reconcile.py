@@ -48,7 +48,7 @@ from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.status.sizing import sizing_status
 from rankguard_operator.core.step import surroundings
-from rankguard_operator.core.step.decide import Acted, act, decide
+from rankguard_operator.core.step.decide import Acted, act, decide, located
 from rankguard_operator.core.step.keep import Kept, keep
 from rankguard_operator.core.step.observed import observe
 from rankguard_operator.core.step.pending import Finished, finish_pending
@@ -69,7 +69,9 @@ def step(
         # a name an older LLMService holds, or another's cache claim: nothing is applied
         refused = surroundings.refusal(world, spec)
         if refused is not None:
-            return invalid_spec(state, world, refused.message, refused.reason, refused.conditions)
+            return invalid_spec(
+                state, world, refused.message, refused.reason, refused.conditions, stop=refused.stop
+            )
         known = _known(state, world, spec)
     except SpecError as e:
         return _refused(state, world, e)
@@ -92,7 +94,7 @@ def _known(state: ServiceState, world: World, spec: ServiceSpec) -> Known:
     """The model and the prior plan, before anything of this pass is observed. Raises SpecError
     for a budget no start can have (core/budget/fits), before anything is deployed."""
     model = resolve(spec, world.model_config, state.learned_model)
-    node_gpu = surroundings.node_gpu(world, spec)  # the GPU's size as the nodes' labels state it
+    node_gpu = surroundings.node_gpu(world, spec, state.node_gpu)  # as the nodes' labels state it
     check_budget_fits(spec, model, gpu_size(spec, state.gpu_memory_bytes, node_gpu))
     prior = prior_plan(spec, planning_gpu_bytes(state.gpu_memory_bytes, node_gpu), model)
     return Known(model, prior, node_gpu, budget_key(spec))
@@ -159,6 +161,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         live=done.live,
         current=done.current,
         history=done.history,
+        where=located(decision, seen, workload.groups),
     )
     effects += acted.effects
     assert acted.current is not None  # the first pass takes the decision's flags
@@ -190,10 +193,19 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         rollout=kept.rollout,
         deployment=kept.live.deployment,
         new_revision=acted.new_revision,
-        updates=_updates(done, sized, acted, kept),
+        updates=_updates(done, sized, acted, kept) | _node_gpu(state, known),
         members=kept.members,
+        groups=workload.groups,
     )
     return report(state, world, settings, found, stored=stored, effects=effects)
+
+
+def _node_gpu(state: ServiceState, known: Known) -> dict[str, Any]:
+    """status.nodeGpu, when the nodes' labels said something new: kept so that a render never
+    changes because no pod runs (surroundings.node_gpu)."""
+    if known.node_gpu is None or known.node_gpu == state.node_gpu:
+        return {}
+    return {"nodeGpu": known.node_gpu.to_status()}
 
 
 def _updates(done: Finished, sized: Sized, acted: Acted, kept: Kept) -> dict[str, Any]:
@@ -206,5 +218,7 @@ def _updates(done: Finished, sized: Sized, acted: Acted, kept: Kept) -> dict[str
         updates["gpuMemoryBytes"] = sized.gpu_learned
     if kept.workload_hash is not None:
         updates["workloadHash"] = kept.workload_hash
+    elif kept.forget_workload:
+        updates["workloadHash"] = None
     updates["sizing"] = sizing_status(sized.mode, sized.outside, acted.current)
     return updates

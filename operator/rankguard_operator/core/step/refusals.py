@@ -27,14 +27,17 @@ def invalid_spec(
     more: Sequence[tuple[Condition, str, str, str]] = (),
     *,
     cannot_run: bool = False,
+    stop: bool = False,
 ) -> Step:
     """A spec rankguard cannot serve (or a refusal of `reason`, setting the conditions in `more`
     too): say why on the object, and touch nothing else but the scale of a workload none of
     whose pods serves nor will (core/step/scale_down: a Failed service holds no GPUs);
-    `cannot_run`: the refusal says the deployed render cannot run either (budget.fits)."""
+    `cannot_run`: the refusal says the deployed render cannot run either (budget.fits); `stop`:
+    its own workload goes to zero even while it serves (a name another service holds: its pods
+    would answer for that service)."""
     when = iso(world.now)
     scaled, said = scale_down.hold_nothing(
-        world.deployment, world.statefulsets, world.uid, world.pods, cannot_run=cannot_run
+        world.deployment, world.statefulsets, world.uid, world.pods, cannot_run=cannot_run, stop=stop
     )
     message = f"{message.rstrip('.')}. {said}" if said else message
     conditions = list(state.raw.get("conditions") or [])

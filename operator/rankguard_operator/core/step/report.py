@@ -17,12 +17,14 @@ from rankguard_operator.core.conditions import Condition, set_condition
 from rankguard_operator.core.effects import Effect, PostEvent, WriteStatus
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import LearnedModel, ModelResolution, model_event
+from rankguard_operator.core.observe.groups import Groups
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.spec.parse import ServiceSpec
 from rankguard_operator.core.status.build import build_status
 from rankguard_operator.core.status.creep import creep_event
 from rankguard_operator.core.status.degraded import degraded_event
 from rankguard_operator.core.status.engine import EngineView, engine_status, with_rules_condition
+from rankguard_operator.core.status.groups import group_figures
 from rankguard_operator.core.status.hold import hold
 from rankguard_operator.core.status.patch import merged_status, status_patch
 from rankguard_operator.core.status.service_state import ServiceState
@@ -53,6 +55,7 @@ class Findings:
     new_revision: bool  # a new revision starts its own headroom clocks
     updates: Mapping[str, Any]  # status fields set by the stages (gpuMemoryBytes, workloadHash, ...)
     members: Mapping[str, Any] | None = None  # status.groups, when multi-node
+    groups: Groups | None = None  # a multi-node service's groups as seen this pass (status.groupFigures)
 
 
 def report(
@@ -150,6 +153,9 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         history=found.history,
         blocker=seen.unscheduled.blocker or seen.stuck.blocker,
         memory_trend=seen.trend,
+        groups=None
+        if spec.distributed is None
+        else group_figures(found.groups, seen.reports, seen.observation, spec.replicas),
     )
     status.update(found.updates)
     if found.members is not None:

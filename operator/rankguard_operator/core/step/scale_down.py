@@ -35,6 +35,12 @@ KEEPS_SERVING = (
     "Its ready pods keep serving the last good render until the spec is fixed; nothing was changed"
 )
 KEEPS_STARTING = "Its pods keep starting under the last good render (none has crashed); nothing was changed"
+# a refusal whose workload must stop whatever its pods do (core/step/surroundings.Refusal.stop):
+# a name another LLMService holds, whose Service selects this one's pods too
+STOPPED = (
+    "rankguard scaled its own workload to zero replicas, so none of its pods answers behind the "
+    "other service's name; it is scaled back once the name is its own"
+)
 # metadata the API server or the controllers keep: never applied back
 _SERVER_ANNOTATIONS = ("deployment.kubernetes.io/",)
 
@@ -84,10 +90,12 @@ def hold_nothing(
     pods: Sequence[Mapping[str, Any]] = (),
     *,
     cannot_run: bool = False,
+    stop: bool = False,
 ) -> tuple[list[Effect], str]:
     """The applies that scale a Failed service's workload to zero when no pod of it is ready and
-    none will be (`cannot_run`, or a pod has crashed), and the sentence the Failed condition
-    adds ("" when nothing of it is deployed)."""
+    none will be (`cannot_run`, or a pod has crashed), or at once (`stop`: ready pods too), and
+    the sentence the Failed condition adds ("" when nothing of it is deployed). Only objects
+    this LLMService controls (by UID) are touched: a rival of the same name owns its own."""
     owned: list[tuple[str, Mapping[str, Any]]] = [
         ("StatefulSet", s) for s in statefulsets if _controlled_by(s, uid)
     ]
@@ -96,9 +104,9 @@ def hold_nothing(
     if not owned:
         return [], ""
     ready = sum(int(get_path(o, "status", "readyReplicas") or 0) for _, o in owned)
-    if ready > 0:
+    if ready > 0 and not stop:
         return [], KEEPS_SERVING
-    if not cannot_run and not any(crashed(p) for p in pods):
+    if not cannot_run and not stop and not any(crashed(p) for p in pods):
         return [], KEEPS_STARTING
     effects: list[Effect] = []
     for kind, obj in owned:
@@ -106,4 +114,4 @@ def hold_nothing(
             continue  # already at zero
         body = at_zero(obj, kind)
         effects.append(ApplyDeployment(body) if kind == "Deployment" else ApplyObject(body))
-    return effects, SCALED_TO_ZERO
+    return effects, STOPPED if stop else SCALED_TO_ZERO

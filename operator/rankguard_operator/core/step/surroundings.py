@@ -56,6 +56,10 @@ class Refusal:
     reason: str
     message: str
     conditions: tuple[tuple[Condition, str, str, str], ...] = ()
+    # its own workload goes to zero at once: a name another service holds shares that service's
+    # label and Service, so a pod of this one (both created in the same second, it started
+    # before the refusal) would be one of its endpoints, serving another model under its name
+    stop: bool = False
 
 
 NAME_TAKEN = "NameTaken"
@@ -66,7 +70,7 @@ def refusal(world: World, spec: ServiceSpec) -> Refusal | None:
     LLMService controls (it would be deleted with that service, under this one's pods)."""
     rival = taken(world.name, world.name_rivals)
     if rival is not None:
-        return Refusal(NAME_TAKEN, taken_message(world.name, rival))
+        return Refusal(NAME_TAKEN, taken_message(world.name, rival), stop=True)
     cache = spec.model_cache
     if cache is None or model_cache.borrowed_from(world.cache_claim, world.uid) is None:
         return None
@@ -76,12 +80,22 @@ def refusal(world: World, spec: ServiceSpec) -> Refusal | None:
     return Refusal(model_cache.DEGRADED_TAKEN, message, ((model_cache.CONDITION, status, reason, message),))
 
 
-def node_gpu(world: World, spec: ServiceSpec) -> NodeGpu | None:
+def node_gpu(world: World, spec: ServiceSpec, kept: NodeGpu | None) -> NodeGpu | None:
     """One GPU's (or MIG slice's) size from the serving pods' nodes' labels; None when the spec
-    gives the size (it wins) or no node says."""
+    gives the size (it wins) or no node ever said.
+
+    The labels are read from the nodes the service's pods run on, so they vanish with the
+    pods: `kept` (status.nodeGpu, what the labels last said for the same resource) stands in
+    while no labelled pod runs. Without it a group replace, which scales every set to zero,
+    rendered a template without the GPU's size, which differed from the running one, which
+    replaced the group again: a multi-node service with default memory settings never started."""
     if spec.memory.gpu_memory_bytes is not None:
         return None
-    return gpu_from_nodes(world.node_labels, spec.resources.gpu_resource_name)
+    resource = spec.resources.gpu_resource_name
+    seen = gpu_from_nodes(world.node_labels, resource)
+    if seen is not None:
+        return seen
+    return kept if kept is not None and kept.resource == resource else None
 
 
 EventRule = Callable[

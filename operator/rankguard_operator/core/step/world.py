@@ -61,6 +61,12 @@ class World:
     # a multi-node service's StatefulSets (spec.distributed; also any left from one)
     statefulsets: Sequence[Mapping[str, Any]] = ()
     pods: Sequence[Mapping[str, Any]] = ()
+    # pod UID -> the first run of its vllm container whose end counts (core/step/trust: only
+    # runs that ended after the pod was seen trusted); None: every run counts (offline tools)
+    counted_runs: Mapping[str, int] | None = None
+    # the service's LeaderWorkerSet as read (None: none, or the LWS CRD is not installed); read
+    # only while the spec asks for one or status records one (core/step/keep)
+    leader_worker_set: Mapping[str, Any] | None = None
     reports: Sequence[ReportInput] = ()
     model_config: ConfigRead | None = None  # spec.model.configMap's document, as the edge read it
     cache_claim: Mapping[str, Any] | None = None  # spec.modelCache's claim as read (None: not there)

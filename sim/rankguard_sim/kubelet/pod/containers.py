@@ -342,11 +342,25 @@ class PodContainers(threading.Thread):
             slot.crashes = 0  # it ran long enough for the kubelet to forget its back-off
         slot.crashes += 1
         delay = backoff_delay(slot.crashes, k.backoff_base, k.backoff_cap)
-        v.last_terminated, v.terminated = term, None
+        v.earlier_terminated, v.last_terminated, v.terminated = v.last_terminated, term, None
         v.restart_count += 1
         v.state, v.waiting_reason = "waiting", "CrashLoopBackOff"
         v.waiting_message = crash_loop_message(delay, slot.name, self.pod_name, self.namespace, self.uid)
         slot.restart_at = now + delay
+
+    def _cancel_restart(self, slot: ContainerSlot) -> None:
+        """A container waiting out its back-off when the pod stops (deletion, disappearance)
+        never starts again: as the kubelet, which restarts no container of a pod with a
+        deletionTimestamp (ShouldContainerBeRestarted), it reads as its last run, terminated,
+        no longer as CrashLoopBackOff with a restart to come."""
+        v = slot.view
+        slot.restart_at = None
+        if slot.done or slot.proc is not None or v.state != "waiting" or v.last_terminated is None:
+            return
+        v.state, v.terminated, slot.done = "terminated", v.last_terminated, True
+        v.last_terminated, v.earlier_terminated = v.earlier_terminated, None
+        v.restart_count -= 1  # the restart it counted never happens
+        v.waiting_reason, v.waiting_message = "", ""
 
     def _check_memory(self, slot: ContainerSlot) -> None:
         limit = memory_limit_bytes(slot.spec)

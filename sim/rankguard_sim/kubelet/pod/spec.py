@@ -379,6 +379,7 @@ class IpPool:
 
     def __init__(self, first: int = 2, last: int = 254, prefix: str = "127.0.0.") -> None:
         self._prefix = prefix
+        self._first = first
         self._free = set(range(first, last + 1))
         self._owner: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -403,6 +404,11 @@ class IpPool:
     def in_use(self) -> dict[str, str]:
         with self._lock:
             return {o: self._prefix + str(x) for o, x in self._owner.items()}
+
+    @property
+    def first(self) -> str:
+        """The first address the pool hands out (the one every sandbox's first pod gets)."""
+        return self._prefix + str(self._first)
 
 
 def named_port(container: Container, port: object) -> int:

@@ -55,6 +55,8 @@ class ContainerView:
     started_at: float = 0.0
     terminated: Termination | None = None  # when state == "terminated"
     last_terminated: Termination | None = None
+    # the run before last_terminated's: lastState again once a stop cancels a pending restart
+    earlier_terminated: Termination | None = None
     restart_count: int = 0
     ready: bool = False
     started: bool = False

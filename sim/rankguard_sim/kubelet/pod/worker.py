@@ -384,7 +384,7 @@ class PodWorker(PodContainers):
             slot.stop_deadline = None
             self._request_stop(slot, grace, now)
         for slot in [*self.init_slots, *self.slots]:
-            slot.restart_at = None
+            self._cancel_restart(slot)
         deadline = now + grace
         while any(s.proc is not None and s.proc.poll() is None for s in live) and time.time() < deadline:
             time.sleep(0.05)

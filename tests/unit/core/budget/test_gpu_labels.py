@@ -58,17 +58,17 @@ SINGLE = {
 
 
 def test_a_full_gpu_is_its_gpu_memory_label_in_mib() -> None:
-    assert node_gpu_memory(FULL_GPU, "nvidia.com/gpu") == NodeGpu(H100_MIB * MiB, mig=False)
+    assert node_gpu_memory(FULL_GPU, "nvidia.com/gpu") == NodeGpu(H100_MIB * MiB, False, "", "nvidia.com/gpu")
 
 
 def test_a_mig_profile_under_the_mixed_strategy_is_its_own_label_not_the_parents() -> None:
     got = node_gpu_memory(MIXED, "nvidia.com/mig-3g.40gb", "n1")
-    assert got == NodeGpu(40192 * MiB, mig=True, node="n1")
+    assert got == NodeGpu(40192 * MiB, mig=True, node="n1", resource="nvidia.com/mig-3g.40gb")
     assert node_gpu_memory(MIXED, "nvidia.com/mig-2g.20gb") is None  # a profile the node lacks
 
 
 def test_the_single_strategy_labels_the_slice_as_nvidia_com_gpu_and_it_counts_as_mig() -> None:
-    assert node_gpu_memory(SINGLE, "nvidia.com/gpu") == NodeGpu(4864 * MiB, mig=True)
+    assert node_gpu_memory(SINGLE, "nvidia.com/gpu") == NodeGpu(4864 * MiB, True, "", "nvidia.com/gpu")
 
 
 def test_labels_that_do_not_state_a_size_give_nothing() -> None:
@@ -82,7 +82,7 @@ def test_labels_that_do_not_state_a_size_give_nothing() -> None:
 def test_a_mixed_pool_plans_for_its_smallest_node() -> None:
     small = {**FULL_GPU, "nvidia.com/gpu.memory": "40960"}
     got = gpu_from_nodes({"big": FULL_GPU, "small": small, "bare": {}}, "nvidia.com/gpu")
-    assert got == NodeGpu(40960 * MiB, mig=False, node="small")
+    assert got == NodeGpu(40960 * MiB, mig=False, node="small", resource="nvidia.com/gpu")
     assert gpu_from_nodes({"bare": {}}, "nvidia.com/gpu") is None
 
 
@@ -224,3 +224,20 @@ async def test_node_labels_are_read_once_per_period_and_errors_never_stop_a_pass
         assert await NodeLabels().labels(("n3",)) == {}  # another service: no second log line
     assert fake.calls == ["n1", "n2", "n3", "n3"]  # after a 403, n4 is not even tried
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["cannot read Node n3"]
+
+
+def test_what_the_labels_said_is_kept_in_status_and_a_bad_copy_is_nothing() -> None:
+    got = gpu_from_nodes({"n1": MIXED}, "nvidia.com/mig-3g.40gb")
+    assert got is not None and NodeGpu.from_status(got.to_status()) == got
+    good = got.to_status()
+    for bad in (
+        None,
+        "x",
+        {},
+        {**good, "bytes": "1"},
+        {**good, "bytes": True},
+        {**good, "bytes": 0},
+        {**good, "mig": "no"},
+        {**good, "resource": 3},
+    ):
+        assert NodeGpu.from_status(bad) is None, bad

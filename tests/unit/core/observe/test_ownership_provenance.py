@@ -89,6 +89,117 @@ def test_a_pod_whose_spec_is_not_its_replicasets_template_is_not_from_template(e
     assert tags(trusted) == ["real"] and reasons(ignored) == [("forged", "not-from-template")]
 
 
+def _forged_beyond_vllm(edit: str) -> dict[str, Any]:
+    """The template with the vllm container and restartPolicy untouched, and something else
+    that decides what runs in the pod changed (issue 50's drill swapped the init container)."""
+    spec = copy.deepcopy(TEMPLATE)
+    (init,) = spec["initContainers"]
+    vllm = _vllm(spec)
+    fake_agent = ["python3", "-c", "open('/opt/rankguard/agent/rankguard-agent','w').write('...')"]
+    if edit == "init image":
+        init["image"] = "python:3.12"
+    elif edit == "init command":  # the drill: writes a fake agent where the real one goes
+        init["command"] = fake_agent
+    elif edit == "init args":
+        init["args"] = ["--fake"]
+    elif edit == "init env":
+        init["env"] = [{"name": "PYTHONPATH", "value": "/tmp"}]
+    elif edit == "init removed":
+        spec["initContainers"] = []
+    elif edit == "an extra init container writes the agent volume":
+        spec["initContainers"].append(
+            {
+                "name": "late-writer",
+                "image": "python:3.12",
+                "command": fake_agent,
+                "volumeMounts": init["volumeMounts"],
+            }
+        )
+    elif edit == "a native sidecar writes the agent volume":
+        spec["initContainers"].append(
+            {
+                "name": "s",
+                "image": "python:3.12",
+                "restartPolicy": "Always",
+                "volumeMounts": init["volumeMounts"],
+            }
+        )
+    elif edit == "the agent volume is a hostPath":
+        spec["volumes"] = [
+            {"name": v["name"], "hostPath": {"path": "/tmp/fake-agent"}}
+            if v["name"] == "rankguard-agent"
+            else v
+            for v in spec["volumes"]
+        ]
+    elif edit == "a volume mounted over the agent's entry":
+        spec["volumes"].append({"name": "fake", "configMap": {"name": "fake-agent"}})
+        vllm["volumeMounts"] = [
+            *vllm["volumeMounts"],
+            {"name": "fake", "mountPath": "/opt/rankguard/agent/rankguard-agent", "subPath": "agent"},
+        ]
+    elif edit == "other GPUs":
+        vllm["resources"] = {
+            part: {k: (str(int(q) + 1) if k == "nvidia.com/gpu" else q) for k, q in qs.items()}
+            for part, qs in vllm["resources"].items()
+        }
+    elif edit == "a postStart hook":
+        vllm["lifecycle"] = {"postStart": {"exec": {"command": fake_agent}}}
+    elif edit == "an exec probe":
+        vllm["livenessProbe"] = {"exec": {"command": fake_agent}}
+    elif edit == "envFrom":
+        vllm["envFrom"] = [{"configMapRef": {"name": "fake"}}]
+    elif edit == "shared process namespace":
+        spec["shareProcessNamespace"] = True
+    else:
+        raise AssertionError(edit)
+    spec["containers"] = [vllm if c["name"] == "vllm" else c for c in spec["containers"]]
+    return spec
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "init image",
+        "init command",
+        "init args",
+        "init env",
+        "init removed",
+        "an extra init container writes the agent volume",
+        "a native sidecar writes the agent volume",
+        "the agent volume is a hostPath",
+        "a volume mounted over the agent's entry",
+        "other GPUs",
+        "a postStart hook",
+        "an exec probe",
+        "envFrom",
+        "shared process namespace",
+    ],
+)
+def test_what_decides_what_runs_beyond_the_vllm_container_is_compared(edit: str) -> None:
+    """Issue 50: the vllm container, restartPolicy and name the real pod's, the agent-install
+    init container (or what the agent's path is, or what the pod may use) not: not-from-template,
+    through the edge's compact copy too."""
+    forged = pod("forged", "rs-1", spec=_forged_beyond_vllm(edit))
+    trusted, ignored = ownership.trusted_pods(
+        [forged, pod("real", "rs-1")], RS_OWNERS, deployment(), SERVICE_UID
+    )
+    assert tags(trusted) == ["real"] and reasons(ignored) == [("forged", "not-from-template")]
+
+
+def test_a_resource_the_template_sets_must_be_the_pods_one_it_leaves_unset_may_be_added() -> None:
+    tpl = RS_OWNERS["rs-1"].template
+    spec = copy.deepcopy(TEMPLATE)
+    vllm = _vllm(spec)
+    vllm["resources"] = {
+        **vllm["resources"],
+        "limits": {**vllm["resources"]["limits"], "ephemeral-storage": "1Gi"},
+    }
+    spec["containers"] = [vllm if c["name"] == "vllm" else c for c in spec["containers"]]
+    added = ownership.template_fingerprint(spec)
+    assert ownership.fits(added, tpl) and not ownership.fits(tpl, added)
+    assert not ownership.fits("", "") and not ownership.fits(tpl, "")
+
+
 def test_a_pod_of_the_previous_template_under_the_new_replicaset_is_not_from_template() -> None:
     """Owned by the current ReplicaSet, but made of the previous one's template (old flags)."""
     forged = pod("old-flags", "rs-1", spec=copy.deepcopy(OLD_TEMPLATE))
@@ -97,18 +208,24 @@ def test_a_pod_of_the_previous_template_under_the_new_replicaset_is_not_from_tem
 
 
 def test_what_the_api_server_and_admission_add_to_a_pod_does_not_count() -> None:
-    """Only restartPolicy and the vllm container's image, command, args and env are compared:
-    defaults, a LimitRange's resources, injected sidecars and volumes leave a real pod trusted."""
+    """Defaults, a LimitRange's resources (added beside the template's), injected sidecars,
+    their init containers and volumes, and the service-account token's mount leave a real pod
+    trusted."""
     spec = copy.deepcopy(TEMPLATE)
     spec.update(nodeName="gpu-1", serviceAccountName="default", schedulerName="default-scheduler")
     spec["containers"].append({"name": "istio-proxy", "image": "istio/proxyv2"})
+    spec["initContainers"].insert(0, {"name": "istio-init", "image": "istio/proxyv2"})
     spec["volumes"] = [*spec.get("volumes", []), {"name": "kube-api-access", "projected": {"sources": []}}]
     vllm = _vllm(spec)
+    resources = copy.deepcopy(vllm["resources"])
     vllm.update(
         imagePullPolicy="IfNotPresent",
         terminationMessagePath="/dev/termination-log",
         terminationMessagePolicy="File",
-        resources={"limits": {"cpu": "4"}, "requests": {"cpu": "4"}},
+        resources={
+            "limits": {**resources["limits"], "cpu": "4"},
+            "requests": {**resources["requests"], "cpu": "4"},
+        },
         volumeMounts=[
             *vllm.get("volumeMounts", []),
             {"name": "kube-api-access", "mountPath": "/var/run/secrets"},

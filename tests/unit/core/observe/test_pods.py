@@ -293,3 +293,20 @@ def test_rollout_counts_and_messages() -> None:
     assert (
         rollout_state(deployment(observed=1, status=DONE, conditions=[DEADLINE]), "h1").phase == "progressing"
     )
+
+
+# What the kubelet keeps of a launcher killed by SIGKILL: no message of its own, so the log tail,
+# whose last line is whatever the agent logged last (issue 50: quoted as an engine error).
+AGENT_TAIL = "rankguard-agent INFO 12-01 12:51:46 serving /report on :9400 (4 ranks)\n"
+
+
+def test_a_sigkilled_launcher_is_said_as_what_it_is_not_by_its_last_log_line() -> None:
+    (t,) = terminations(pod(last=terminated(AGENT_TAIL, reason="Error", exit_code=137)))
+    assert (t.kind, t.exit_code, t.message) == ("EngineError", 137, "killed by SIGKILL (exit 137)")
+    assert t.sigkilled
+    # the kernel's OOM killer is the kubelet's own reason, and stays what it is
+    (oom,) = terminations(pod(last=terminated(AGENT_TAIL, reason="OOMKilled", exit_code=137)))
+    assert oom.kind == "OOMKilled" and not oom.sigkilled
+    # a CUDA OOM in the tail is still the cause it names
+    (cuda,) = terminations(pod(last=terminated(LOG_TAIL_OOM, reason="Error", exit_code=137)))
+    assert cuda.kind == "CUDAOutOfMemory"

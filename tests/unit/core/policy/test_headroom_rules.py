@@ -9,13 +9,14 @@ spec.remediation.maxKVCacheBytes or a budget that crashed within a day.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankguard_operator.core.budget.bounds import initial_plan, kv_ceiling, round_down
+from rankguard_operator.core.budget.bounds import after_kv_bytes, initial_plan, kv_ceiling, round_down
 from rankguard_operator.core.budget.planner import RankMeasurement
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.policy import Decision, decide
@@ -217,6 +218,24 @@ def test_reclaim_never_returns_past_a_budget_that_crashed_within_a_day() -> None
     assert reclaim(history=[pressure]).flags.kv_cache_memory_bytes == round_down(KV - 6 * GiB - UNIT, UNIT)
     old = past(86401, frm=KV - 6 * GiB, to=KV - 7 * GiB)
     assert (reclaim(history=[old]).flags.kv_cache_memory_bytes or 0) > KV - 6 * GiB
+
+
+def test_reclaim_may_take_back_the_room_a_kv_allocation_cut_left_but_not_the_budget_that_failed() -> None:
+    # A KV-allocation OOM's cut left the plan's room for what comes after the KV cache (issue 50):
+    # that room is a prior, not a budget that failed, so growing may take it back as far as live
+    # headroom shows it unused; the budget that failed stays out of reach for the day
+    room = after_kv_bytes(PLAN, 1, enforce_eager=False)
+    small = SMALLER.kv_cache_memory_bytes
+    assert small is not None
+    cut = replace(past(7200, frm=KV - 2 * GiB, to=small), phase="kv-allocation", lever="kv-budget", rank=1)
+    d = reclaim(history=[cut])
+    assert d.action == "grow" and d.flags.kv_cache_memory_bytes == small + round_down(room, UNIT)
+    # an OOM of another phase (or unknown) keeps the cap at its own answer, as before
+    other = replace(cut, phase=None, lever=None)
+    assert reclaim(history=[other]).action == "none"
+    # never past the budget that failed, less one block
+    near = replace(cut, from_flags=ServingFlags(kv_cache_memory_bytes=small + 10 * UNIT))
+    assert reclaim(history=[near]).action == "none"  # 10 blocks: not worth a roll
 
 
 # --- properties ----------------------------------------------------------------------------------

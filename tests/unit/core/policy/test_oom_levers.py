@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from rankguard_agent.wire import termination as tm
+from rankguard_operator.core.budget.bounds import after_kv_bytes
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.pods import Termination, terminations
@@ -32,13 +33,14 @@ from rankguard_operator.core.policy.tunables import ESCALATION_WINDOW_SECONDS
 from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import parse_spec
-from rankguard_operator.core.units import GiB
+from rankguard_operator.core.units import GiB, MiB, format_bytes
 from tests.unit.core.policy_world import (
     CUR,
     DOC,
     FAILED,
     FLOOR,
     KV,
+    MARGIN,
     NOW,
     PLAN,
     SPEC,
@@ -158,12 +160,30 @@ def test_batched_tokens_stay_at_max_model_len_when_chunked_prefill_is_off() -> N
     assert "max-model-len: chunked prefill is off" in d.message
 
 
-def test_a_kv_allocation_oom_is_rule_1_as_before_with_its_phase_kept() -> None:
+def test_a_kv_allocation_oom_is_rule_1_with_its_phase_kept_and_room_for_what_comes_after() -> None:
     unknown = decide(inp(new_terminations=[oom(None)]))
     kv = decide(inp(new_terminations=[oom(tm.PHASE_KV_ALLOCATION)]))
-    assert (unknown.action, unknown.flags, unknown.lever, unknown.phase) == ("shrink", kv.flags, None, None)
-    assert kv.flags == ServingFlags(kv_cache_memory_bytes=KV - 1639 * UNIT)
+    assert (unknown.action, unknown.lever, unknown.phase) == ("shrink", None, None)
+    # an OOM of unknown phase: the deficit (1.5 GiB) and the margin, as before
+    assert unknown.flags == ServingFlags(kv_cache_memory_bytes=KV - 1639 * UNIT)
+    # the KV allocation's also leaves room for what start-up and serving allocate after the cache
+    # (issue 50: without it the next start failed at capture): the CUDA-graph pool, then the
+    # sampler warm-up or a step's activations, whichever is larger (one pipeline stage: no
+    # NCCL memory created by pipeline traffic)
+    r2 = PLAN.ranks[2]
+    room = after_kv_bytes(PLAN, 2, enforce_eager=False)
+    assert room == r2.cudagraph_bytes + max(r2.activation_bytes, r2.logits_bytes + r2.sampler_bytes)
+    assert r2.cudagraph_bytes > 0 and r2.logits_bytes + r2.sampler_bytes > 0
+    deficit = 2 * GiB - 512 * MiB  # term(): tried to allocate 2 GiB with 512 MiB free
+    assert kv.flags == ServingFlags(kv_cache_memory_bytes=(KV - deficit - MARGIN - room) // UNIT * UNIT)
     assert (kv.action, kv.lever, kv.phase) == ("shrink", "kv-budget", "kv-allocation")
+    assert f"plus {format_bytes(room)} for the CUDA-graph pool, the sampler warm-up" in kv.message
+    # under --enforce-eager nothing is captured: only the step's transients are left room for
+    eager = replace(CUR, enforce_eager=True)
+    kv_eager = decide(inp(current=eager, new_terminations=[oom(tm.PHASE_KV_ALLOCATION, flags=eager)]))
+    steps = room - r2.cudagraph_bytes
+    assert kv_eager.flags.kv_cache_memory_bytes == (KV - deficit - MARGIN - steps) // UNIT * UNIT
+    assert f"plus {format_bytes(steps)} for a step's transients" in kv_eager.message
     assert "while allocating the KV cache" in kv.message
     # the only lever of this phase keeps moving: a second OOM shrinks again
     again = after(kv, tm.PHASE_KV_ALLOCATION)

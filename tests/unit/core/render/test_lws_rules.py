@@ -11,14 +11,18 @@ from typing import Any
 
 import pytest
 
-from rankguard_operator.core.names import NODE_RANK_ENV, labels, owner_reference
+from rankguard_operator.core.names import (
+    LWS_KIND,
+    MAX_LWS_NAME,
+    NODE_RANK_ENV,
+    labels,
+    lws_name,
+    owner_reference,
+)
 from rankguard_operator.core.render.leader_worker_set import (
     LWS_API_VERSION,
-    LWS_KIND,
     MASTER_ADDR_ARG,
-    MAX_LWS_NAME,
     WORKER_INDEX_LABEL,
-    lws_name,
     node_rank_env,
     render_leader_worker_set,
 )

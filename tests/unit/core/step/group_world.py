@@ -53,6 +53,8 @@ class GroupCluster(Objects):
     history: list[list[dict[str, Any]]] = field(default_factory=list)  # the pods at every tick
     ready_engines: bool = True  # leaders turn ready once their group is complete
     terminating: dict[str, int] = field(default_factory=dict)  # pod name -> ticks left
+    # node name -> labels; the world carries those of the nodes the pods run on, as the edge does
+    node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------- the operator
     def statefulsets(self) -> list[dict[str, Any]]:
@@ -82,6 +84,11 @@ class GroupCluster(Objects):
             statefulsets=self.statefulsets(),
             pods=[copy.deepcopy(p) for _, p in sorted(self.pods.items())],
             reports=reports,
+            node_labels={
+                n: dict(self.node_labels[n])
+                for n in sorted({p["spec"]["nodeName"] for p in self.pods.values()})
+                if n in self.node_labels
+            },
         )
 
     def state(self) -> ServiceState:

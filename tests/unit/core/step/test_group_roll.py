@@ -62,7 +62,10 @@ def test_a_group_is_two_statefulsets_and_a_headless_service() -> None:
         f"metadata.labels['{POD_INDEX_LABEL}']"
     )
     assert env["VLLM_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert "readinessProbe" not in wc and "startupProbe" not in wc  # a headless vLLM answers no HTTP
+    # a headless vLLM answers no HTTP: the worker is ready once its agent listens
+    assert "startupProbe" not in wc and "httpGet" not in wc["readinessProbe"]
+    assert wc["readinessProbe"]["tcpSocket"] == {"port": "agent"}
+    assert {"name": "agent", "containerPort": 9404, "protocol": "TCP"} in wc["ports"]
     lc = leader["spec"]["template"]["spec"]["containers"][0]
     assert "readinessProbe" in lc and lc["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert wc["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -222,7 +225,8 @@ def test_a_service_that_becomes_multi_node_drops_its_deployment() -> None:
     step = c.run()
     assert [(e.kind, e.name) for e in step.effects if isinstance(e, DeleteObject)] == [("Deployment", "svc")]
     assert c.deployment is None and len(c.of_kind("StatefulSet")) == 4
-    # and back: the groups go when the block is removed
+    # and back: the groups go when the block is removed, and their headless Service, before
+    # the Deployment is applied (core/step/keep: the old shape's GPUs are freed first)
     c.spec = single
     c.generation += 1
     step = c.run()
@@ -231,7 +235,10 @@ def test_a_service_that_becomes_multi_node_drops_its_deployment() -> None:
         "svc-g0-w",
         "svc-g1",
         "svc-g1-w",
+        "svc-nodes",
     ]
+    kinds = [type(e).__name__ for e in step.effects]
+    assert kinds.index("ApplyDeployment") > max(i for i, k in enumerate(kinds) if k == "DeleteObject")
 
 
 def test_roles_are_labelled_on_every_pod() -> None:
@@ -313,3 +320,36 @@ def test_a_scaled_down_group_is_empty_only_when_its_sets_controller_counts_no_po
     assert group.empty is empty
     other = LiveGroup(index=0, size=2, leader=sts("g0-l", status), workers=sts("g0-w", done), pods=())
     assert other.empty is empty
+
+
+def test_a_group_with_default_memory_settings_starts_and_its_template_stays_put() -> None:
+    """No spec.memory: the GPU's size comes only from the nodes' GPU Feature Discovery labels,
+    and only while a pod runs on them. A group replace scales every set to zero, so the render
+    must stand on what status kept, or the template flips back and forth between a render with
+    the size and one without, each replacing the group again (seen: generation 178 in 10 min)."""
+    c = GroupCluster()
+    c.spec.pop("memory")
+    c.spec["replicas"] = 1  # one group: while it is replaced no pod runs anywhere
+    c.node_labels = {
+        "node-1": {"nvidia.com/gpu.memory": "81559", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    }
+    c.settle(passes=80)
+    assert c.groups_ready(), sorted(c.pods)
+    assert c.status["nodeGpu"] == {
+        "bytes": 81559 * 1024 * 1024,
+        "mig": False,
+        "node": "node-1",
+        "resource": "nvidia.com/gpu",
+    }
+    leaders = [p for p in c.pods.values() if role_of(p) == "leader"]
+    templates = {json.dumps(p["metadata"]["annotations"], sort_keys=True) for p in leaders}
+    assert len(templates) == 1
+    generations = dict(c.generations)
+    for _ in range(20):  # nothing left to do: no set changes again
+        c.run()
+        c.tick()
+    assert c.generations == generations
+    assert c.groups_ready()
+    # the GPU's size stood in the render from the first pass the labels were seen on: at most
+    # one replace for learning it (the first render had no pod to read a node from)
+    assert max(generations.values()) <= 4, generations

@@ -78,6 +78,29 @@ def test_an_engine_error_that_repeats_is_a_crash_loop_said_once_with_the_engines
     assert writes(again) == [] and events([again], "EngineCrashLoop") == []
 
 
+def test_a_sigkilled_launcher_is_said_as_killed_not_as_the_agents_last_log_line() -> None:
+    # issue 50: exit 137 with no message of the launcher's own; the kubelet's log tail ends
+    # with the agent's last line, which was quoted as the engine's error
+    c = running()
+    agent_line = "rankguard-agent INFO serving /report on :9400"
+    killed = {
+        "exitCode": 137,
+        "reason": "Error",
+        "message": agent_line + "\n",
+        "finishedAt": "2027-01-15T08:00:00Z",
+    }
+    steps = []
+    for run in range(3):
+        crash_loop(c, killed, run=run)
+        steps.append(c.run())
+    said = [*events(steps, "EngineError"), *events(steps, "EngineCrashLoop")]
+    assert said and all("killed by SIGKILL (exit 137)" in e.message for e in said), said
+    assert not any(agent_line in e.message for e in said)
+    d = degraded(c)
+    assert d["reason"] == "EngineCrashLoop" and "was killed by SIGKILL (exit 137)" in d["message"], d
+    assert agent_line not in d["message"]
+
+
 def test_the_engines_error_line_is_bounded_in_the_condition() -> None:
     c = running()
     long_line = "RuntimeError: " + "x" * 3000  # fits the 4 KiB termination message
