@@ -14,13 +14,13 @@ runs them.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 from operator_world import GROUP, PLURAL, VERSION, service_doc
+from test_lws_dry_run import apply_lws
 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import lws_name
@@ -30,7 +30,6 @@ from rankguard_operator.core.render.group import GroupInputs, render_group_set
 from rankguard_operator.core.render.leader_worker_set import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from rankguard_operator.core.spec.parse import parse_spec
 from rankguard_operator.core.units import GiB
-from rankguard_operator.edge.k8s import FIELD_MANAGER
 from rankguard_sim.kube.cluster import ControlPlane
 from rankguard_sim.kube.lws import SERVED, LwsController
 from rankguard_sim.waiting import wait_for
@@ -69,24 +68,6 @@ def rendered(namespace: str, owner_uid: str) -> dict[str, Any]:
     return copy.deepcopy(doc["leaderWorkerSet"])
 
 
-def apply(api: client.ApiClient, obj: dict[str, Any]) -> dict[str, Any]:
-    """Server-side apply as the operator's edge does (its field manager, forced)."""
-    meta = obj["metadata"]
-    response = client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        LWS_GROUP,
-        LWS_VERSION,
-        meta["namespace"],
-        LWS_PLURAL,
-        meta["name"],
-        obj,
-        field_manager=FIELD_MANAGER,
-        force=True,
-        _content_type="application/apply-patch+yaml",
-        _preload_content=False,  # an apply that creates answers 201, which the client drops
-    )
-    return dict(json.loads(response.data))
-
-
 def family(api: client.ApiClient, namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every StatefulSet and pod in the namespace, as plain dicts."""
     apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
@@ -109,7 +90,7 @@ def test_the_real_controller_makes_the_groups_and_rankguard_trusts_every_pod(
         GROUP, VERSION, namespace, PLURAL, service_doc(SERVICE, agent_port=9400)
     )
     service_uid = owner["metadata"]["uid"]
-    applied = apply(api, rendered(namespace, service_uid))
+    applied = apply_lws(api, rendered(namespace, service_uid))
     name = lws_name(SERVICE)
     wait_for("LWS's StatefulSets and pods of both groups", lambda: whole(api, namespace, name), 90, every=0.5)
     sets, pods = family(api, namespace)

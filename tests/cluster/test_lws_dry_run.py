@@ -164,8 +164,9 @@ def rendered(namespace: str, owner_uid: str) -> dict[str, Any]:
     )
 
 
-def dry_run_apply(api: client.ApiClient, obj: dict[str, Any]) -> dict[str, Any]:
-    """Server-side apply, dry run, unknown fields refused, as the operator would apply it."""
+def apply_lws(api: client.ApiClient, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+    """Server-side apply as the operator's edge does (its field manager, forced, unknown fields
+    refused); `dry_run`: the API server only says what it would store."""
     meta = obj["metadata"]
     response = client.CustomObjectsApi(api).patch_namespaced_custom_object(
         LWS_GROUP,
@@ -174,16 +175,20 @@ def dry_run_apply(api: client.ApiClient, obj: dict[str, Any]) -> dict[str, Any]:
         LWS_PLURAL,
         meta["name"],
         obj,
-        dry_run="All",
+        **({"dry_run": "All"} if dry_run else {}),
         field_manager=FIELD_MANAGER,
         field_validation="Strict",
         force=True,
         _content_type=APPLY,
         # The generated client reads a body only from HTTP 200 of this call; an apply that
-        # creates (this one) answers 201 and would come back as None.
+        # creates answers 201 and would come back as None.
         _preload_content=False,
     )
     return dict(json.loads(response.data))
+
+
+def dry_run_apply(api: client.ApiClient, obj: dict[str, Any]) -> dict[str, Any]:
+    return apply_lws(api, obj, dry_run=True)
 
 
 def refusal(api: client.ApiClient, obj: dict[str, Any]) -> tuple[int, str]:

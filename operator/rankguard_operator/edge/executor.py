@@ -54,6 +54,7 @@ from rankguard_operator.core.step import (
     World,
     claim_settled,
     config_from_configmap,
+    controller_of,
     invalid_spec,
     needs,
     reads_leader_worker_set,
@@ -383,7 +384,7 @@ class ServiceExecutor:
         if live is None:
             return
         meta = live.get("metadata") or {}
-        if not uid or _controller_uid(live) != uid:
+        if not uid or controller_of(live) != (OWNER_KIND, uid):
             log.info(
                 "LLMService %s/%s: not deleting %s %s: another controller owns it",
                 self.namespace,
@@ -434,14 +435,6 @@ def _older(rv: str, than: str) -> bool:
         return int(rv) < int(than)
     except ValueError:
         return False
-
-
-def _controller_uid(obj: Mapping[str, Any]) -> str | None:
-    """The UID of the LLMService controlling `obj` (None: none, or another kind controls it)."""
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == OWNER_KIND:
-            return str(ref.get("uid") or "")
-    return None
 
 
 def _meta(obj: Mapping[str, Any], key: str) -> str:

@@ -173,6 +173,13 @@ class Groups:
     def get(self, index: int) -> LiveGroup | None:
         return self.by_index.get(index)
 
+    def index_of(self, pod_name: str) -> int | None:
+        """The group whose pods include the one named `pod_name` (None: no group's)."""
+        for i, g in self.by_index.items():
+            if any(get_path(p, "metadata", "name") == pod_name for p in g.pods):
+                return i
+        return None
+
 
 def _label_int(obj: Mapping[str, Any] | None, label: str) -> int | None:
     v = get_path(obj, "metadata", "labels", label)

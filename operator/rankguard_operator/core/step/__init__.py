@@ -14,7 +14,7 @@ depends on this room alone; inside core/ each name is imported from the module t
 
 from rankguard_operator.core.model.resolve import ConfigRead, config_from_configmap
 from rankguard_operator.core.observe.headroom import ReportInput
-from rankguard_operator.core.observe.ownership import ReplicaSetRef
+from rankguard_operator.core.observe.ownership import ReplicaSetRef, controller_of
 from rankguard_operator.core.render.claim import claim_settled
 from rankguard_operator.core.render.taken_names import NameRivals
 from rankguard_operator.core.status.service_state import ServiceState
@@ -43,6 +43,7 @@ __all__ = [
     "after_apply",
     "claim_settled",
     "config_from_configmap",
+    "controller_of",
     "invalid_spec",
     "needs",
     "reads_leader_worker_set",

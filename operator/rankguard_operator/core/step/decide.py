@@ -76,15 +76,7 @@ def located(decision: policy.Decision, seen: Observed, groups: Groups | None) ->
         pod = None if row is None else row.pod
     if pod is None or groups is None:
         return pod, None
-    group = next(
-        (
-            i
-            for i, g in groups.by_index.items()
-            if any(p.get("metadata", {}).get("name") == pod for p in g.pods)
-        ),
-        None,
-    )
-    return pod, group
+    return pod, groups.index_of(pod)
 
 
 @dataclass(frozen=True)
@@ -131,7 +123,7 @@ def _change_flags(  # noqa: PLR0917 - act's inputs, as it has them
     live: Live,
     current: ServingFlags,
     history: list[dict[str, Any]],
-    where: Where = (None, None),
+    where: Where,
 ) -> Acted:
     record = decision.remediation(now, revision=rid) if decision.is_remediation else None
     if record is not None:
