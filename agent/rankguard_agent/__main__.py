@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 from rankguard_agent import __version__
 from rankguard_agent.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TERMINATION_LOG
 from rankguard_agent.gpu import BACKENDS
+from rankguard_agent.judge_run import DEFAULT_JUDGE_TIMEOUT
 from rankguard_agent.launcher import LaunchConfig, launch
 from rankguard_agent.probe import ProbeConfig, model_shape_from_config, run_probe
 from rankguard_agent.runtime import AgentRuntime, RuntimeConfig, open_backend_or_none
@@ -27,6 +28,13 @@ def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds (0 or more)")
     return value
 
 
@@ -91,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where the termination message goes (default {DEFAULT_TERMINATION_LOG})",
     )
     launch.add_argument("--probe", action="store_true", help="probe every rank's communicator cost first")
+    launch.add_argument(
+        "--judge-timeout",
+        type=_non_negative,
+        default=DEFAULT_JUDGE_TIMEOUT,
+        help="seconds the image's own vLLM may take to judge the engine's arguments before the "
+        f"engine starts (default {DEFAULT_JUDGE_TIMEOUT:g}; past it the engine starts unjudged; "
+        "0 = never judge)",
+    )
     _probe_args(launch)
     serve = sub.add_parser("serve", help="sampler and HTTP API only, until SIGTERM")
     _runtime_args(serve, BACKENDS)
@@ -176,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime=_runtime_config(args),
         termination_log=args.termination_log,
         probe=_probe_config(args, args.backend) if args.probe else None,
+        judge_timeout=args.judge_timeout,
     )
     return asyncio.run(launch(cfg_l))
 

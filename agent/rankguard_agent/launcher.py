@@ -1,13 +1,15 @@
 """The launcher: `python -m rankguard_agent launch [--probe] -- vllm serve …`.
 
-It optionally probes the ranks, starts the sampler and the server, runs the engine as a
-child, passes its stdout and stderr through byte for byte while a copy is scanned line by
-line, forwards signals, and when the child exits writes the termination message and exits
-with the child's code (128 + N when a signal N killed it, as a shell would).
+It optionally probes the ranks, starts the sampler and the server, asks the image's own vLLM
+to judge the engine's argv (judge_run.py: a refusal ends the container with vLLM's words and
+exit code 2, the engine never started), runs the engine as a child, passes its stdout and
+stderr through byte for byte while a copy is scanned line by line, forwards signals, and when
+the child exits writes the termination message and exits with the child's code (128 + N when a
+signal N killed it, as a shell would).
 
-(Over 450 lines because it is one sequence, probe, start, watch and verdict, each step writing
-the termination log its own way: while the engine runs, the verdict a SIGKILL would get; at its
-exit, the real one. What a line means and what a verdict says live beside it, in wire/ and
+(Over 450 lines because it is one sequence, probe, start, judge, watch and verdict, each step
+writing the termination log its own way: while the engine runs, the verdict a SIGKILL would get;
+at its exit, the real one. What a line means and what a verdict says live beside it, in wire/ and
 verdict.py.)
 
 Bad input never takes the engine down: oversized or non-UTF-8 lines are cut or replaced
@@ -41,6 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
+from rankguard_agent.judge_run import (
+    ACCEPTED,
+    DEFAULT_JUDGE_TIMEOUT,
+    REFUSED,
+    UNJUDGED,
+    Judged,
+    judge_engine_args,
+)
 from rankguard_agent.model_files import ModelFiles
 from rankguard_agent.model_watch import ModelWatch
 from rankguard_agent.others import PodProcesses
@@ -67,7 +77,7 @@ from rankguard_agent.wire.recognisers import (
 )
 from rankguard_agent.wire.recognisers_extensible import AfterWarmup, ExtensibleDisabled
 from rankguard_agent.wire.report import MAX_TEXT, EngineMemory
-from rankguard_agent.wire.termination import PHASE_WEIGHTS, SIGNALED, TerminationMessage
+from rankguard_agent.wire.termination import ENGINE_REFUSED, PHASE_WEIGHTS, SIGNALED, TerminationMessage
 from rankguard_agent.workers import ParallelSizes, WorkerRanks, parallel_sizes
 
 log = logging.getLogger("rankguard_agent.launcher")
@@ -116,9 +126,11 @@ class LaunchConfig:
     termination_log: str = DEFAULT_TERMINATION_LOG
     probe: ProbeConfig | None = None  # world_size 0: one rank per GPU the backend sees
     drain_seconds: float = DRAIN_SECONDS
+    judge_timeout: float = DEFAULT_JUDGE_TIMEOUT  # 0: the image's vLLM does not judge first
 
 
 _ERROR_WORDS = re.compile(r"(?:Error|ERROR|error:|Exception|CUDA error)")
+MAX_TEXT_DETAIL = 1024  # what parse_termination_message keeps of `detail`
 _UNATTRIBUTED = "worker_prefix"  # an unparsed kind: a per-worker line whose rank is unknown
 
 
@@ -394,6 +406,7 @@ class Launcher:
                     None, probe_pod, self.cfg.probe, runtime.n_ranks(), self.env, self.probe_cancel, place
                 )
             await runtime.start()
+            judged = await self._judge() if not self.pending_signals else None
             if self.pending_signals:
                 # Told to stop before the engine even started: end as a killed engine would.
                 first = self.pending_signals[0]
@@ -405,11 +418,51 @@ class Launcher:
                 )
                 write_termination_log(self.cfg.termination_log, message)
                 return 128 + first
+            if judged is not None and judged.verdict == REFUSED:
+                return self._refused(judged)
             return await self._run_child(runtime)
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
             await runtime.stop()
+
+    async def _judge(self) -> Judged:
+        """The image's vLLM's verdict on the engine's argv; one line in the container log."""
+        cfg = self.cfg
+        env = engine_env(self.env, bundle_dir())
+        try:
+            judged = await asyncio.get_running_loop().run_in_executor(
+                None, judge_engine_args, cfg.command, env, cfg.judge_timeout, self.probe_cancel
+            )
+        except Exception as e:  # the judge may only stop what vLLM refuses; its own trouble never
+            judged = Judged(UNJUDGED, f"{type(e).__name__}: {e}")
+        version = judged.vllm_version or "unknown"
+        if judged.verdict == REFUSED:
+            log.error(
+                "vLLM %s refused the engine's arguments (judged in %.1f s); the engine is not started: "
+                "%s\n--- what vLLM printed while judging (its end) ---\n%s",
+                version,
+                judged.seconds,
+                judged.message,
+                judged.tail.rstrip(),
+            )
+        elif judged.verdict == ACCEPTED:
+            log.info("vLLM %s accepted the engine's arguments (judged in %.1f s)", version, judged.seconds)
+        else:
+            log.info(
+                "vLLM %s did not judge the engine's arguments (%.1f s): %.300s; starting the engine as given",
+                version,
+                judged.seconds,
+                judged.message,
+            )
+        return judged
+
+    def _refused(self, judged: Judged) -> int:
+        # the reader keeps 1 KiB of `detail`; cut here, so a long message never drops it whole
+        detail = judged.message[:MAX_TEXT_DETAIL]
+        message = with_place(TerminationMessage(ENGINE_REFUSED, 2, detail=detail), self.place)
+        write_termination_log(self.cfg.termination_log, message)
+        return message.exit_code
 
     async def _run_child(self, runtime: AgentRuntime) -> int:
         global engine_started

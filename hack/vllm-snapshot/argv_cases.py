@@ -14,26 +14,77 @@ its own type accepts, a value it refuses for every typed option, every JSON (dat
 with good and bad objects built from its dataclass's fields, and the edges of the reader
 (prefixes, negative numbers, `-O`). tests/unit/core/engine/test_surface.py holds rankguard's
 decision and the fake vLLM's parser against this table.
+
+The config step. After the parser, the serve-args validation and ParallelConfig, each command that
+got that far is built into vLLM's engine configuration the way `vllm serve` builds it
+(`AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=OPENAI_API_SERVER)`),
+over a local model folder holding a real config.json (the catalog's meta-llama/Meta-Llama-3-8B,
+written to a temp dir, so every run reads the same model without a network); `real.config` is
+"ok" or vLLM's message, and `starts` is false when vLLM refuses (a ValueError, TypeError or
+NotImplementedError: pydantic's ValidationError is a ValueError), as the pod's own judge
+(agent/rankguard_agent/engine_judge.py) counts it. Anything else it raises is recorded as
+`unjudged: ...` and leaves `starts` as the earlier steps had it.
+
+What the apply-time rules cannot see. A refusal may hang on the model (`-ep` on a dense model,
+`--default-mm-loras` on a text-only one) or on files in the pod (`--chat-template auto` names a
+file). For each case refused at the config step, the build is run again over a second catalog
+model, a mixture-of-experts one (`OTHER_MODEL`), and recorded as `real.config_other_model`, and
+over a third with one KV head (`MQA_MODEL`), as `real.config_mqa_model`; for
+each case refused at the serve-args validation or the config step, the whole command is judged
+again in a temp working directory holding each of its non-flag values as a file (a minimal jinja
+template), recorded as `real.with_files` ("ok" or the refusal). A verdict that changes with the
+model or with the files is the pod's own judge's to give (agent/rankguard_agent/engine_judge.py
+runs in the pod, beside the model's config.json and the image's files): test_surface.py counts
+those rows as "judged in the pod".
+
+The GPU boundary, and what is not vLLM's own here: a rankguard pod runs vLLM's CUDA platform, and
+the config build asks the platform for device facts (CUDA graphs, attention backends, block
+size). This machine has no GPU and no libcuda, so the CUDA wheel would pick its CPU platform (we
+import it with VLLM_TARGET_DEVICE=cpu), which turns CUDA graphs off and judges none of their
+settings. `install_h100_platform` therefore installs vLLM's own `CudaPlatformBase` as the current
+platform with the device facts of one H100 (sm_90, 80 GiB, NVLink) overridden, and, when libcuda
+is missing, an empty stand-in for the `vllm._C_stable_libtorch` kernel library its module imports
+(config building registers no kernel). The model class's facts (vLLM's registry inspects the
+architecture in a subprocess and caches the result) are read once under the CPU platform into
+a private VLLM_CACHE_ROOT before the switch (`warm_model_info`), because saving that cache
+imports the flash-attention kernels, which need libcuda. The Hub is offline (HF_HUB_OFFLINE), and
+refusals that come from what this machine lacks (`MACHINE`: a tokenizer, the Hub, libcuda,
+Triton) are recorded as unjudged, never as vLLM's verdict on the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import io
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from snapshot import _type_name as _type_doc  # this folder: the one reading of a type callable
+from argv_case_list import EDGES, generated_cases, primary  # this folder: which lists the table holds
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 MODEL = "org/model"
+# The catalog entry whose config.json the config step builds over (operator/rankguard_operator/catalog/)
+CONFIG_MODEL = "meta-llama--meta-llama-3-8b.json"
+# The second model a refused case is built over: a mixture-of-experts one, so what vLLM refuses
+# for a dense model only (expert parallelism, routed experts) shows as the model's doing
+OTHER_MODEL = "qwen--qwen3-30b-a3b.json"
+# And a third, with one KV head (multi-query attention): what vLLM refuses only because a model has
+# more KV heads than tensor-parallel ranks (decode context parallelism) shows as the model's doing
+MQA_MODEL = "google--gemma-3-1b-it.json"
+# What a value turned into a file holds: a minimal chat template (the only file-valued option
+# whose content vLLM reads before the engine starts)
+FILE_TEXT = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n"
+CATALOG = Path(__file__).resolve().parents[2] / "operator" / "rankguard_operator" / "catalog"
 POD_GPUS = 2
 # The flags a rendered pod always carries (core/render/deployment.vllm_args), by option dest.
 BASE: tuple[tuple[str, str | None], ...] = (
@@ -65,228 +116,6 @@ def _serve_actions(parser: Any) -> list[Any]:
     return list(sub.choices["serve"]._actions)
 
 
-def _primary(action: Any) -> str:
-    longs = [s for s in action.option_strings if s.startswith("--") and not s.startswith("--no-")]
-    return min(longs, key=len) if longs else action.option_strings[0]
-
-
-# --------------------------------------------------------------------------------------------
-# Values from an option's own type
-
-
-def _type_name(t: Any) -> str:
-    """The value's type as cli.json records it (snapshot.py's reading of the callable), optional
-    unwrapped: int, float, json, human_readable_int, ..., parse_dataclass for a JSON option."""
-    doc = _type_doc(t)
-    if doc["name"] == "optional":
-        doc = doc["of"]
-    return "parse_dataclass" if doc.get("callable") == "parse_dataclass" else str(doc["name"])
-
-
-def good_value(action: Any) -> list[str]:
-    if action.nargs == 0:
-        return []
-    if action.choices:
-        choice = next(c for c in action.choices if c is not None)
-        return [str(choice)]
-    d = action.default
-    t = _type_name(action.type)
-    if t == "parse_dataclass":
-        return ["{}"]
-    if t == "json":
-        return [json.dumps(d)] if isinstance(d, (dict, list)) else ["{}"]
-    if t in ("int", "human_readable_int"):
-        return [str(d)] if isinstance(d, int) and not isinstance(d, bool) and d > 0 else ["1"]
-    if t == "human_readable_int_or_auto":
-        return ["auto"]
-    if t == "float":
-        return [repr(d)] if isinstance(d, float) and d > 0 else ["0.5"]
-    if isinstance(d, str) and d:
-        return [d]
-    if isinstance(d, list) and d and all(isinstance(x, str) for x in d):
-        return list(d)
-    return ["None"] if "optional" in getattr(action.type, "__name__", "") else ["x"]
-
-
-def bad_values(action: Any) -> list[list[str]]:
-    if action.nargs == 0:
-        return []
-    t = _type_name(action.type)
-    out: list[list[str]] = []
-    if t in ("int", "float", "human_readable_int", "human_readable_int_or_auto", "json", "parse_dataclass"):
-        out.append(["not-a-value"])
-    if action.choices:
-        strs = [c for c in action.choices if isinstance(c, str)]
-        out.append(["no-such-choice"])
-        if strs and strs[0].upper() != strs[0]:
-            out.append([strs[0].upper()])
-        elif strs and strs[0].lower() != strs[0]:
-            out.append([strs[0].lower()])
-    return out
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-    except (TypeError, ValueError):
-        return False
-    return v is not None
-
-
-def json_cases(action: Any) -> list[list[str]]:
-    """Good and bad objects for a dataclass option, built from its dataclass's fields."""
-    from surface import _dataclass_of
-
-    cls = _dataclass_of(action)
-    flag = _primary(action)
-    cases = [[flag, "{}"], [flag, json.dumps({"no_such_key": 1})], [flag, "LMCache"], [flag, "[]"]]
-    fields = [f for f in dataclasses.fields(cls) if not f.name.startswith("_")]
-    good = 0
-    for f in fields:
-        default = f.default
-        if default is dataclasses.MISSING or not _jsonable(default):
-            continue
-        cases.append([flag, json.dumps({f.name: default})])
-        if isinstance(default, bool):
-            cases.append([flag, json.dumps({f.name: "not-a-bool"})])
-        elif isinstance(default, (int, float)):
-            cases.append([flag, json.dumps({f.name: "not-a-number"})])
-            cases.append([f"{flag}.{f.name}", json.dumps(default)])
-        elif isinstance(default, str):
-            cases.append([flag, json.dumps({f.name: 12345})])
-        good += 1
-        if good == 3:
-            break
-    return cases
-
-
-def generated_cases(actions: list[Any]) -> list[tuple[str, list[str]]]:
-    out: list[tuple[str, list[str]]] = []
-    for a in sorted((a for a in actions if a.option_strings), key=lambda a: a.dest):
-        if isinstance(a, argparse._HelpAction):
-            continue
-        value = good_value(a)
-        for s in sorted(a.option_strings):
-            negative = s.startswith("--no-") or (s.startswith("--disable-") and a.nargs == 0)
-            out.append(("spelling", [s] if a.nargs == 0 or negative else [s, *value]))
-        for bad in bad_values(a):
-            out.append(("bad-value", [_primary(a), *bad]))
-        if _type_name(a.type) == "parse_dataclass":
-            out += [("json", c) for c in json_cases(a)]
-        longest = _primary(a)
-        if longest.startswith("--") and len(longest) > 8:
-            out.append(("prefix", [longest[:-3], *value] if a.nargs != 0 else [longest[:-3]]))
-    return out
-
-
-# Hand-picked edges (inputs, not vLLM's strings: flags people write, good and bad).
-EDGES: tuple[tuple[str, list[str]], ...] = (
-    ("help", ["--help"]),
-    ("help", ["-h"]),
-    ("help", ["--he"]),
-    ("help", ["--hel"]),
-    ("prefix", ["--head"]),
-    ("prefix", ["--enable-pre"]),
-    ("prefix", ["-t", "2"]),
-    ("prefix", ["-tp2"]),
-    ("prefix", ["-tp=2"]),
-    ("prefix", ["-as", "1"]),
-    ("prefix", ["-pc", "2"]),
-    ("prefix", ["-e"]),
-    ("negative", ["--seed", "-1"]),
-    ("negative", ["--seed", "-0.5"]),
-    ("negative", ["--watermark", "-0.5"]),
-    ("negative", ["--watermark", "-.5"]),
-    ("negative", ["-0.5"]),
-    ("negative", ["-1"]),
-    ("negative", ["--served-model-name", "a", "-0.5"]),
-    ("negative", ["--served-model-name", "-0.5", "--enforce-eager"]),
-    ("negative", ["--cudagraph-capture-sizes", "1", "-2", "4"]),
-    ("negative", ["--api-key", "-abc"]),
-    ("optimization", ["-O3"]),
-    ("optimization", ["-O", "3"]),
-    ("optimization", ["-O=3"]),
-    ("optimization", ["-O", "x"]),
-    ("optimization", ["-Ox"]),
-    ("optimization", ["-O"]),
-    ("optimization", ["-O", "4"]),
-    ("optimization", ["--optimization-level", "3"]),
-    ("world", ["-pcp", "1"]),
-    ("world", ["-pcp", "2"]),
-    ("world", ["-dcp", "1"]),
-    ("world", ["-dcp", "2"]),
-    ("world", ["-dcp", "3"]),
-    ("world", ["-dcp", "4"]),
-    ("world", ["-pcp", "2", "-dcp", "2"]),
-    ("world", ["--distributed-executor-backend", "mp"]),
-    ("world", ["--distributed-executor-backend", "ray"]),
-    ("world", ["--distributed-executor-backend", "uni"]),
-    ("world", ["--distributed-executor-backend", "external_launcher"]),
-    ("world", ["--distributed-executor-backend", "no-such-backend"]),
-    ("world", ["-dp", "1"]),
-    ("world", ["-dp", "2"]),
-    ("world", ["-dpl", "1"]),
-    ("world", ["--data-parallel-rank", "0"]),
-    ("world", ["--data-parallel-start-rank", "0"]),
-    ("world", ["--nnodes", "2"]),
-    ("world", ["--nnodes", "1"]),
-    ("world", ["--node-rank", "1"]),
-    ("world", ["--master-addr", "10.0.0.1"]),
-    ("world", ["--master-port", "29500"]),
-    ("world", ["-ep"]),
-    ("world", ["-ep", "--enable-eplb"]),
-    ("endpoint", ["--headless"]),
-    ("endpoint", ["--api-server-count", "0"]),
-    ("endpoint", ["--api-server-count", "1"]),
-    ("endpoint", ["--api-server-count", "2"]),
-    ("endpoint", ["--headless", "--api-server-count", "1"]),
-    ("endpoint", ["--grpc"]),
-    ("endpoint", ["--uds", "/tmp/vllm.sock"]),
-    ("endpoint", ["--ssl-keyfile", "/etc/tls/tls.key", "--ssl-certfile", "/etc/tls/tls.crt"]),
-    ("endpoint", ["--ssl-keyfile", "/etc/tls/tls.key"]),
-    ("endpoint", ["--ssl-certfile", "/etc/tls/tls.crt"]),
-    ("endpoint", ["--root-path", "/llm"]),
-    ("endpoint", ["--api-key", "secret"]),
-    ("memory", ["--cpu-offload-gb", "4"]),
-    ("memory", ["--cpu-offload-gb", "0"]),
-    ("memory", ["--kv-offloading-size", "8"]),
-    ("memory", ["--kv-offloading-size", "8", "--kv-offloading-backend", "native"]),
-    ("memory", ["--enable-lora"]),
-    ("memory", ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "16"]),
-    ("memory", ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']),
-    ("memory", ["--mm-processor-cache-gb", "0"]),
-    ("json", ["--compilation-config", '{"level": 3}']),
-    ("json", ["--compilation-config", '{"mode": 3}']),
-    ("json", ["--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 8]}']),
-    ("json", ["--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}']),
-    ("json", ["--compilation-config", '{"cudagraph_mode": "NOT_A_MODE"}']),
-    ("json", ["-cc.mode=3"]),
-    ("json", ["-cc.cudagraph_capture_sizes+", "1,2,4"]),
-    ("json", ["--kv-transfer-config", "LMCache"]),
-    ("json", ["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}']),
-    ("json", ["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_everything"}']),
-    ("json", ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}']),
-    ("json", ["--structured-outputs-config", '{"backend": "xgrammar"}']),
-    ("json", ["--structured-outputs-config", '{"backend": "outlines2"}']),
-    ("json", ["--attention-config", '{"backend": "FLASH_ATTN"}']),
-    ("json", ["--attention-config", '{"flash_attn_version": 3}']),
-    ("json", ["--attention-config", '{"flash_attn_version": "three"}']),
-    ("json", ["--compilation-config", '{"max_cudagraph_capture_size": 4k}']),
-    ("item", ["--max-num-seqs 64"]),
-    ("item", ["--enforce-eager "]),
-    ("item", ["64"]),
-    ("item", ["--served-model-name=llama3"]),
-    ("item", ["--served_model_name", "llama3"]),
-    ("item", ["--enable-auto-tool-choice"]),
-    ("item", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
-    ("item", ["--enable-log-outputs"]),
-    ("item", ["--sse-keep-alive-interval", "-1"]),
-    ("item", ["--config", "/etc/vllm/config.yaml"]),
-    ("item", ["--no-such-flag"]),
-    ("item", ["--max-model-len", "32k"]),
-)
-
-
 # --------------------------------------------------------------------------------------------
 # What vLLM does with one command line
 
@@ -297,7 +126,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
 def _last_line(text: str) -> str:
     """The line of an error that says what is wrong (object addresses removed: the table must be
     the same bytes on every run)."""
-    text = _ADDRESS.sub(">", text)
+    text = _ADDRESS.sub(">", text).replace(sys.prefix, "<venv>")  # the same bytes from any venv
     lines = [
         line
         for line in text.strip().splitlines()
@@ -345,7 +174,159 @@ def _endpoint(args: Any) -> str:
     return "http"
 
 
-def evaluate(parser: Any, serve: Any, argv: list[str]) -> dict[str, Any]:
+# --------------------------------------------------------------------------------------------
+# The config step's model folder and platform (the module docstring says why each is so)
+
+
+def model_folder(catalog_entry: str = CONFIG_MODEL) -> Path:
+    """A temp folder holding the catalog model's config.json, as a model folder in a pod holds it."""
+    entry = json.loads((CATALOG / catalog_entry).read_text(encoding="utf-8"))
+    folder = Path(tempfile.mkdtemp(prefix="rankguard-model-"))
+    (folder / "config.json").write_text(json.dumps(entry["config"], indent=1), encoding="utf-8")
+    return folder
+
+
+def warm_model_info(folder: Path) -> None:
+    """Have vLLM's registry inspect the folder's architecture once under the CPU platform, in a
+    subprocess, so it caches the model class's facts (in this process's VLLM_CACHE_ROOT) before
+    the CUDA platform is installed here."""
+    arch = json.loads((folder / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    code = (
+        "import sys\n"
+        "from vllm.model_executor.models.registry import ModelRegistry\n"
+        "sys.exit(ModelRegistry._try_inspect_model_cls(sys.argv[1]) is None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, arch], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM could not inspect {arch} on CPU: {_last_line(done.stderr)}")
+
+
+def install_h100_platform() -> None:
+    """vLLM's own CUDA platform as the current platform, with one H100's device facts."""
+    import types
+
+    from vllm import platforms
+
+    if platforms._current_platform is not None:
+        raise SystemExit("vLLM's platform was resolved before the CUDA platform could be installed")
+    try:
+        import vllm._C_stable_libtorch  # noqa: F401  (the CUDA kernels: they need libcuda)
+    except ImportError:
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
+    from vllm.platforms import cuda
+    from vllm.platforms.interface import DeviceCapability
+
+    class H100(cuda.CudaPlatformBase):  # type: ignore[misc,name-defined]
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> Any:
+            return DeviceCapability(major=9, minor=0)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return "NVIDIA H100 80GB HBM3"
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return 80 << 30
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids: list[int]) -> bool:
+            return True
+
+        @classmethod
+        def device_count(cls) -> int:
+            return POD_GPUS
+
+        @classmethod
+        def get_device_numa_node(cls, device_id: int = 0) -> int | None:
+            return None
+
+        @classmethod
+        def get_all_device_numa_nodes(cls) -> list[int] | None:
+            return None
+
+    platforms._current_platform = H100()
+
+
+# What vLLM raises when it refuses a configuration (pydantic's ValidationError is a ValueError);
+# anything else is this machine's, not a verdict (the pod's judge counts them alike).
+REFUSALS = (ValueError, TypeError, NotImplementedError)
+# Refusals that come from what this machine lacks, not from the command: the model folder has no
+# tokenizer files, the Hub is offline, there is no libcuda (vLLM's cumem allocator) and no Triton
+# (vLLM then falls back to its V1 model runner, which a GPU pod need not). Recorded as unjudged.
+MACHINE = (
+    "Couldn't instantiate the backend tokenizer",
+    "Invalid repository ID or local directory",
+    "Repo id must use alphanumeric chars",
+    "cumem allocator is not supported on current platform",
+    "requires Model Runner V2",
+    "Model Runner V1 does not support",
+)
+
+
+def _config(args: Any, folder: Path) -> str:
+    """ "ok", or vLLM's refusal of the engine configuration, as `vllm serve` builds it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    # a copy: vLLM's parser hands every parse the same default objects, and building a config
+    # changes some of them in place (one case's `--enable-return-routed-experts` would be every
+    # later case's)
+    args = copy.deepcopy(args)
+    args.model = str(folder)  # ServeSubcommand.cmd: args.model = args.model_tag
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            AsyncEngineArgs.from_cli_args(args).create_engine_config(
+                usage_context=UsageContext.OPENAI_API_SERVER
+            )
+    except REFUSALS as e:
+        said = f"{type(e).__name__}: {_refusal(e)}".replace(str(folder), MODEL).replace(sys.prefix, "<venv>")
+        return f"unjudged: {said}" if any(m in said for m in MACHINE) else said
+    except Exception as e:
+        return f"unjudged: {type(e).__name__}: {_last_line(str(e))}".replace(str(folder), MODEL)
+    return "ok"
+
+
+def _refusal(e: BaseException) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):  # pydantic: each error's place and message, without the input's repr
+        return "; ".join(
+            (f"{'.'.join(map(str, x['loc']))}: " if x["loc"] else "") + str(x["msg"]) for x in errors()
+        )[:400]
+    return _last_line(str(e)) or type(e).__name__
+
+
+def _refused(verdict: str) -> bool:
+    return not verdict.startswith(("ok", "unjudged"))
+
+
+def with_files(parser: Any, serve: Any, argv: list[str], case: list[str], folder: Path) -> str:
+    """The command judged again (parser, validation, config) in a temp working directory holding
+    each of the case's non-flag values as a file: "ok", or the refusal."""
+    here = Path.cwd()
+    work = Path(tempfile.mkdtemp(prefix="rankguard-files-"))
+    for item in case:
+        # a flag's attached value (`--chat-template=-1`) is a value too
+        value = item.split("=", 1)[1] if item.startswith("--") and "=" in item else item
+        if (value.startswith("-") and value == item) or "/" in value or not value.strip() or len(value) > 100:
+            continue
+        with contextlib.suppress(OSError):
+            (work / value).write_text(FILE_TEXT, encoding="utf-8")
+    os.chdir(work)
+    try:
+        got = evaluate(parser, serve, argv, folder)
+    finally:
+        os.chdir(here)
+    if got.get("parse") != "ok":
+        return str(got.get("message") or got.get("parse"))
+    if "validate" in got:
+        return str(got["validate"])
+    if "config" in got and _refused(got["config"]):
+        return str(got["config"])
+    return "ok"
+
+
+def evaluate(parser: Any, serve: Any, argv: list[str], folder: Path | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     err, std = io.StringIO(), io.StringIO()
     try:
@@ -381,6 +362,10 @@ def evaluate(parser: Any, serve: Any, argv: list[str]) -> dict[str, Any]:
     out["starts"] = (
         why is None and gpus == POD_GPUS and out["endpoint"] == "http" and not launcher and not multinode
     )
+    if folder is not None:
+        out["config"] = _config(args, folder)
+        if not out["config"].startswith(("ok", "unjudged")):
+            out["starts"] = False
     if launcher:
         out["message"] = "external_launcher: every rank is a process a launcher (torchrun) starts"
     elif multinode:
@@ -389,15 +374,27 @@ def evaluate(parser: Any, serve: Any, argv: list[str]) -> dict[str, Any]:
 
 
 def main() -> None:
+    dest = Path(sys.argv[1])
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="rankguard-vllm-cache-")
+    # a value naming a repository (`--tokenizer none`) would be looked up on the Hub, with retries:
+    # offline, the lookup fails at once and the case is recorded as unjudged
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    folder = model_folder()
+    warm_model_info(folder)
+    other = model_folder(OTHER_MODEL)
+    warm_model_info(other)
+    mqa = model_folder(MQA_MODEL)
+    warm_model_info(mqa)
+    install_h100_platform()
     import vllm  # noqa: F401  (the package must import)
 
-    dest = Path(sys.argv[1])
     parser, serve = _top_parser()
     actions = _serve_actions(parser)
     by_dest = {a.dest: a for a in actions if a.option_strings}
     base: list[str] = []
     for d, value in BASE:
-        base += [_primary(by_dest[d])] + ([] if value is None else [value])
+        base += [primary(by_dest[d])] + ([] if value is None else [value])
     seen: set[str] = set()
     rows = []
     for group, case in [*generated_cases(actions), *EDGES]:
@@ -405,7 +402,14 @@ def main() -> None:
         if key in seen:
             continue
         seen.add(key)
-        real = evaluate(parser, serve, ["serve", MODEL, *base, *case])
+        argv = ["serve", MODEL, *base, *case]
+        real = evaluate(parser, serve, argv, folder)
+        if "config" in real and _refused(real["config"]):
+            args = parser.parse_args(argv)
+            real["config_other_model"] = _config(args, other)
+            real["config_mqa_model"] = _config(parser.parse_args(argv), mqa)
+        if "validate" in real or ("config" in real and _refused(real["config"])):
+            real["with_files"] = with_files(parser, serve, argv, case, folder)
         rows.append({"group": group, "extra_args": case, "real": real})
     import importlib.metadata
 

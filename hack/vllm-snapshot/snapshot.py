@@ -11,8 +11,9 @@ The CPU build: cpu_build.py; the extensible KV cache's facts (0.34 on): extensib
 
     python snapshot.py OUT_DIR
 
-writes OUT_DIR/{cli,formats,engine,surface}.json (sorted keys, stable order: a re-run on the same
-version gives the same bytes).
+writes OUT_DIR/{cli,formats,engine,surface,config_checks}.json (sorted keys, stable order: a re-run
+on the same version gives the same bytes). config_checks.json (config_checks.py): the refusals
+vLLM makes when it builds a model's configuration, which the sandbox's fake vLLM judges with.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cpu_build import is_cpu_build, py_messages, release_meta  # this folder (on sys.path)
+from config_checks import config_checks  # this folder (on sys.path)
+from cpu_build import is_cpu_build, py_messages, release_meta
 from extensible import extensible_facts
 from releases import expected_absent
 from surface import surface_snapshot
@@ -413,6 +415,7 @@ def main() -> None:
         "formats.json": {**meta, **formats(site, meta["vllm_version"].split("+")[0])},
         "engine.json": {**meta, **engine_facts(site)},
         "surface.json": {**meta, **surface_snapshot(serve_parser(), site, is_cpu_build())},
+        "config_checks.json": {**meta, **config_checks(site)},
     }
     for name, doc in docs.items():
         (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")

@@ -26,7 +26,6 @@ from typing import Any, TextIO
 from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.budget.bounds import kv_floor
 from rankguard_operator.core.budget.kv_model import default_block_size
-from rankguard_operator.core.budget.memory_model import DEFAULT_BLOCK_SIZE
 from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurement, make_plan
 from rankguard_operator.core.engine.owned_flags import RUNTIME_QUANTIZATION
 from rankguard_operator.core.engine.serving_flags import ServingFlags
@@ -129,7 +128,16 @@ def add_plan(sub: Any) -> None:
     )
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM --kv-cache-dtype (default auto)")
     p.add_argument(
-        "--block-size", type=_positive_int, help=f"default: vLLM's ({DEFAULT_BLOCK_SIZE}; 64 for MLA models)"
+        "--vllm-version",
+        type=_version,
+        default=vllm_snapshots.latest().version,
+        help="the vLLM release that will serve (its default block size and rules; default: the newest "
+        f"recorded, {vllm_snapshots.latest().version}; an unrecorded one takes the nearest older one's)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_positive_int,
+        help="default: the release's own (16 tokens up to vLLM 0.33, 64 from 0.34; 64 for MLA models)",
     )
     p.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -179,6 +187,23 @@ def add_plan(sub: Any) -> None:
     p.set_defaults(func=_run_plan)
 
 
+def _version(text: str) -> str:
+    if vllm_snapshots.version_key(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a vLLM version (e.g. 0.34.0)")
+    return text.strip().removeprefix("v")
+
+
+def vllm_version(args: argparse.Namespace) -> str:
+    """`--vllm-version` (a Namespace built without it: the newest recorded release)."""
+    return getattr(args, "vllm_version", None) or vllm_snapshots.latest().version
+
+
+def release(args: argparse.Namespace) -> vllm_snapshots.Snapshot:
+    """The recorded release whose KV facts the plan uses (`--vllm-version`), as the operator
+    picks it for an image of that tag (the nearest older snapshot for an unrecorded release)."""
+    return vllm_snapshots.for_engine(vllm_version(args)).snapshot
+
+
 def _load_config(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
@@ -224,7 +249,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             dtype=args.dtype,
             weight_dtype=args.weight_dtype,
             kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size or default_block_size(shape),
+            block_size=args.block_size or default_block_size(shape, release(args)),
+            null_blocks=release(args).null_blocks,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -250,7 +276,7 @@ def _spec_doc(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     """The LLMService spec these options describe. Its `vllm` arguments are the renderer's own,
     so `rankguard plan` and `rankguard render` never disagree; the spec is read as the operator
     reads one (parse_spec), so a value vLLM would refuse is refused here too; the rules are the
-    newest recorded vLLM's (the image is a placeholder: only its version matters)."""
+    `--vllm-version`'s (the image is a placeholder: only its tag's version matters)."""
     i = plan.inputs
     engine: dict[str, Any] = {
         "maxNumSeqs": i.max_num_seqs,
@@ -271,8 +297,8 @@ def _spec_doc(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         model["quantization"] = i.quantization
     doc = {
         "model": model,
-        # the release the plan's budget model is sized for (16-token blocks; issue 51)
-        "image": f"vllm/vllm-openai:v{vllm_snapshots.ESTIMATE_SIZING_RELEASE}",
+        # the release the plan's block size is the default of, so render plans it alike
+        "image": f"vllm/vllm-openai:v{vllm_version(args)}",
         "tensorParallelSize": i.tp,
         "pipelineParallelSize": i.pp,
         "engine": engine,

@@ -16,9 +16,12 @@ flags, messages and facts; every older one as `SNAPSHOT_VERSION`, exactly as bef
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import re
 from collections.abc import Iterator
+from importlib import resources
 from typing import Any
 
 from rankguard_operator import vllm_snapshots
@@ -80,6 +83,21 @@ def playing(engine_version: str | None) -> Iterator[str]:
 
 def snapshot() -> vllm_snapshots.Snapshot:
     return vllm_snapshots.load(_played)  # cached per version
+
+
+@functools.cache
+def _config_checks(release: str) -> dict[str, Any]:
+    path = resources.files(vllm_snapshots) / release / "config_checks.json"
+    if not path.is_file():
+        return {}
+    doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return doc
+
+
+def config_checks() -> dict[str, Any]:
+    """The played release's config_checks.json (hack/vllm-snapshot/config_checks.py: what vLLM
+    refuses when it builds a model's configuration), {} for a release recorded without it."""
+    return _config_checks(snapshot().version)
 
 
 def extensible_facts() -> dict[str, Any] | None:

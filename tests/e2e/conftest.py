@@ -6,6 +6,7 @@ that test's scenario, removed afterwards."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -177,3 +178,32 @@ def ready_groups(
         return None
     fresh = [r for r in st.get("ranks") or [] if not r.get("stale")]
     return svc if len(fresh) == ranks else None
+
+
+def degraded_as(api: client.ApiClient, ns: str, name: str, reason: str) -> dict[str, Any] | None:
+    svc = get_llmservice(api, ns, name)
+    d = condition(svc, "Degraded")
+    return svc if d and d["status"] == "True" and d["reason"] == reason else None
+
+
+def wait_degraded(api: client.ApiClient, ns: str, name: str, reason: str, timeout: float) -> dict[str, Any]:
+    """Wait for Degraded=True with `reason`, and return the service."""
+    svc: dict[str, Any] = wait_for(
+        f"{name} Degraded {reason}",
+        functools.partial(degraded_as, api, ns, name, reason),
+        timeout,
+        dump=lambda: get_llmservice(api, ns, name).get("status"),
+    )
+    return svc
+
+
+def events(api: client.ApiClient, ns: str, name: str, reason: str) -> list[Any]:
+    return list(
+        client.CoreV1Api(api)
+        .list_namespaced_event(ns, field_selector=f"involvedObject.name={name},reason={reason}")
+        .items
+    )
+
+
+def deployments(api: client.ApiClient, ns: str) -> list[Any]:
+    return list(client.AppsV1Api(api).list_namespaced_deployment(ns).items)

@@ -7,7 +7,6 @@ tests/unit/core/step/test_reconcile_fail_loudly.py).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -17,7 +16,16 @@ from kubernetes.client.rest import ApiException
 from rankguard_operator.core.units import parse_iso
 from tests.builders import llmservice
 
-from .conftest import apply_service, condition, get_llmservice, wait_for
+from .conftest import (
+    apply_service,
+    condition,
+    degraded_as,
+    deployments,
+    events,
+    get_llmservice,
+    wait_degraded,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,35 +39,6 @@ SPEC: dict[str, Any] = {
 
 def service(name: str, **spec: Any) -> dict[str, Any]:
     return llmservice(name, {**SPEC, **spec})
-
-
-def degraded_as(api: client.ApiClient, ns: str, name: str, reason: str) -> dict[str, Any] | None:
-    svc = get_llmservice(api, ns, name)
-    d = condition(svc, "Degraded")
-    return svc if d and d["status"] == "True" and d["reason"] == reason else None
-
-
-def wait_degraded(api: client.ApiClient, ns: str, name: str, reason: str, timeout: float) -> dict[str, Any]:
-    """Wait for Degraded=True with `reason`, and return the service."""
-    svc: dict[str, Any] = wait_for(
-        f"{name} Degraded {reason}",
-        functools.partial(degraded_as, api, ns, name, reason),
-        timeout,
-        dump=lambda: get_llmservice(api, ns, name).get("status"),
-    )
-    return svc
-
-
-def events(api: client.ApiClient, ns: str, name: str, reason: str) -> list[Any]:
-    return list(
-        client.CoreV1Api(api)
-        .list_namespaced_event(ns, field_selector=f"involvedObject.name={name},reason={reason}")
-        .items
-    )
-
-
-def deployments(api: client.ApiClient, ns: str) -> list[Any]:
-    return list(client.AppsV1Api(api).list_namespaced_deployment(ns).items)
 
 
 def test_what_no_engine_can_run_is_refused_before_anything_is_deployed(

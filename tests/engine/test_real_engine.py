@@ -292,6 +292,13 @@ def test_the_real_engine_serves_rolls_refuses_and_stops(
         first = _wait(
             api, ns, "the real engine's pod to be Ready and settled", lambda: _settled(api, ns, name)
         )
+        # the image's own vLLM judged the argv before the agent started it (issue 51)
+        judged = re.search(
+            r"vLLM (\S+) accepted the engine's arguments \(judged in ([0-9.]+) s\)",
+            _container_log(kubelet, ns, first.metadata.name),
+        )
+        assert judged is not None and judged.group(1) == engine.version, judged
+        print(f"vLLM {engine.version} judged the served argv in {judged.group(2)} s")
         target = _through_service(api, ns, name)
         served = json.loads(_get(f"http://{target}/v1/models"))["data"][0]["id"]
         answer = _post(f"http://{target}/v1/completions", {"model": served, "prompt": "the", "max_tokens": 4})

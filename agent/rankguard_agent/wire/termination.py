@@ -27,7 +27,10 @@ KV_CACHE_TOO_SMALL = "KVCacheTooSmall"  # vLLM refused to start: budget below on
 ENGINE_ERROR = "EngineError"  # non-zero exit with no memory cause recognised
 SIGNALED = "Signaled"  # killed by a signal (SIGTERM on a normal rollout, SIGKILL, ...)
 COMPLETED = "Completed"
-REASONS = (CUDA_OOM, KV_CACHE_TOO_SMALL, ENGINE_ERROR, SIGNALED, COMPLETED)
+# the image's own vLLM refused the arguments before the engine started (agent/engine_judge.py);
+# detail is vLLM's own message
+ENGINE_REFUSED = "EngineRefusedArguments"
+REASONS = (CUDA_OOM, KV_CACHE_TOO_SMALL, ENGINE_ERROR, SIGNALED, COMPLETED, ENGINE_REFUSED)
 
 # The phase of vLLM 0.33's engine a rank was in when it ran out of memory, in the order the engine
 # runs them (engine core: load the weights, profile run, KV allocation, CUDA-graph capture, sampler

@@ -36,7 +36,10 @@ whose CPU platform never uses the extensible KV cache anyway), labelled as vLLM'
 label their version (`hack/vllm-snapshot/run.sh cpu-0.32.0`; `versions()` lists the folders).
 Reading: `load(version)`, cached; `for_engine(version)` picks the snapshot for an engine version
 that may be unknown (the nearest older one, saying so); `latest()` is the newest;
-`ESTIMATE_SIZING_RELEASE` names the release whose KV facts the budget model reads.
+`ESTIMATE_SIZING_RELEASE` names the last release that sizes its KV cache from estimates only.
+The budget reads each engine's own KV facts (the block size changed from 16 to 64 tokens in 0.34):
+`for_engine` of the image's tag; this release's are only the fallback of a plan built with no
+engine in mind (tests, bench).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from typing import Any
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
-# The last release whose KV cache is sized from estimates; the budget model's block size and null
-# blocks are read from it until issue 51 reads them per engine (0.34 defaults to 64-token blocks).
+# The last release whose KV cache is sized from estimates only (0.34 measures it after warm-up).
+# The budget reads the block size and null blocks of each engine's own release (core/budget/bounds
+# engine_release); this release's are only the fallback of a PlanInput or layout built by hand.
 ESTIMATE_SIZING_RELEASE = "0.33.0"
 
 

@@ -155,6 +155,12 @@ def _dataclass_type(dest: str) -> Converter:
             lax(schema).validate(checked)
         except jsonschema.ValidationError as e:
             raise argparse.ArgumentTypeError(f"1 validation error: {e.message}") from e
+        # a field that needs another, which the schema cannot say (surface.json's `x-requires`:
+        # KVTransferConfig's kv_connector needs a kv_role); vLLM's validator raises, exit 2. The
+        # snapshot found it with a non-empty text ("x"): an empty one is unset to vLLM
+        for key, needs in schema.get("x-requires", {}).items():
+            if value.get(key) and any(value.get(n) is None for n in needs):
+                raise argparse.ArgumentTypeError(f"1 validation error: {key} needs {', '.join(needs)}")
         return value
 
     return parse

@@ -61,6 +61,44 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, option_string not in self.negative)
 
 
+class _ItemsAction(argparse.Action):
+    """vLLM's LoRAParserAction (surface.json's `custom_options`): each item `name=path` (no
+    comma) or a JSON object of the recorded fields, the required ones present; anything else is
+    `parser.error` (exit 2), as vLLM's action does."""
+
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        fields: Sequence[str] = (),
+        item_needs: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.fields = frozenset(fields)
+        self.item_needs = frozenset(item_needs)  # not `required`: argparse's own keyword
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        items = [] if values is None else list(values)
+        for item in items:
+            if item in (None, "") or ("=" in item and "," not in item):
+                continue
+            try:
+                doc = json.loads(item)
+            except json.JSONDecodeError:
+                parser.error(f"Invalid JSON format for {option_string}: {item}")
+            keys = set(doc) if isinstance(doc, dict) else None
+            if keys is None or keys - self.fields or self.item_needs - keys:
+                parser.error(f"Invalid fields for {option_string}: {item}")
+        setattr(namespace, self.dest, items)
+
+
 def _default(value: Any) -> Any:
     return argparse.SUPPRESS if value == argparse.SUPPRESS else value
 
@@ -89,8 +127,11 @@ def _add_option(parser: argparse.ArgumentParser, opt: Mapping[str, Any]) -> None
         kwargs["nargs"] = opt["nargs"]
     if opt.get("choices") is not None:
         kwargs["choices"] = list(opt["choices"])
+    custom = snapshot().surface.get("custom_options", {}).get(opt["dest"])
     if kind == "append":
         kwargs["action"] = "append"
+    elif kind == "custom" and custom is not None:
+        kwargs |= {"action": _ItemsAction, "fields": custom["fields"], "item_needs": custom["required"]}
     elif kind not in ("value", "custom"):
         raise ValueError(f"cli.json: option {opt['dest']} has unknown kind {kind!r}")
     parser.add_argument(*strings, **kwargs)
@@ -103,11 +144,23 @@ def _cli() -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """`vllm` with its `serve` subcommand, every option from the snapshot's cli.json."""
-    cli = _cli()
+    parser, sub = top_parser(required=True)
+    add_serve(sub)
+    return parser
+
+
+def top_parser(*, required: bool) -> tuple[argparse.ArgumentParser, Any]:
+    """`vllm` itself and its subcommands' action (vLLM's own main takes no subcommand as a
+    request for help: `required=False`)."""
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI (simulated by rankguard_sim)")
     parser.add_argument("-v", "--version", action="version", version=version())
-    sub = parser.add_subparsers(dest="subparser", required=True)
-    serve = sub.add_parser(
+    return parser, parser.add_subparsers(dest="subparser", required=required)
+
+
+def add_serve(sub: Any) -> argparse.ArgumentParser:
+    """The `serve` subcommand (on `sub`, an add_subparsers action), every option from cli.json."""
+    cli = _cli()
+    serve: argparse.ArgumentParser = sub.add_parser(
         "serve",
         help="Start the vLLM OpenAI Compatible API server.",
         allow_abbrev=bool(cli.get("allow_abbrev", True)),
@@ -116,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(pos["dest"], nargs=pos.get("nargs"))
     for opt in cli["options"]:
         _add_option(serve, opt)
-    return parser
+    return serve
 
 
 def options() -> list[dict[str, Any]]:

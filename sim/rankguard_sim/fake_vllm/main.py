@@ -6,6 +6,9 @@ every exit path, in the order vLLM runs them; its flags, output, GPUs and metric
     RANKGUARD_SIM_GPU_ROOT=/tmp/gpus NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b,GPU-c,GPU-d \\
     RANKGUARD_SIM_SCENARIO=llama3-70b-tp4 vllm serve meta-llama/Meta-Llama-3-70B-Instruct -tp 4
 
+Its command is the console script of the sandbox's stand-in `vllm` package (bin/vllm,
+sim/vllm_standin): `vllm.entrypoints.cli.main.main()` parses (fake_vllm/cli.py), and the serve
+leaf vLLM's `cmd` picks runs `serve`/`run_args` here; `run(argv)` is the same without the package.
 It parses vLLM's own flags (`vllm_args`; an unknown flag exits 2, as argparse does),
 replays vLLM v1's start-up over the pod's simulated GPUs with `engine_memory.EngineMemoryModel`
 (the same code `engine_outcome.outcome()` runs), prints vLLM's log lines, serves `/health`,
@@ -68,7 +71,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rankguard_sim.fake_vllm.args import config_from_args, non_default_args, parse_args
+from rankguard_sim.fake_vllm.args import non_default_args, parse_args
+from rankguard_sim.fake_vllm.config_checks import build_config
 from rankguard_sim.fake_vllm.console import (
     Console,
     failure_lines,
@@ -112,7 +116,6 @@ from rankguard_sim.physics.engine_failures import EngineFailure
 from rankguard_sim.physics.engine_measured import engine_model
 from rankguard_sim.physics.engine_memory import EngineMemoryModel, KVPlan
 from rankguard_sim.physics.scenario_data import Scenario, ScenarioError
-from rankguard_sim.physics.scenario_file import SCENARIO_ENV, find_scenario, load_scenario
 from rankguard_sim.vllm_snapshot import (
     ENGINE_VERSION_ENV,
     download_log_seconds,
@@ -543,9 +546,28 @@ def _fail(console: Console, text: str) -> int:
 
 
 def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    """`vllm serve` with these arguments (argv without `vllm`), to the end: its exit status."""
     env = os.environ if env is None else env
     play(env.get(ENGINE_VERSION_ENV))  # the image's release: its flags, lines and sizing
     args = parse_args(argv)  # exits 2 on a bad command line, before anything else
+    return run_args(args, env)
+
+
+def run_args(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """Serve parsed flags to the end (the stand-in `vllm` package's synchronous serve leaves)."""
+    prepared = start(args, env)
+    return prepared if isinstance(prepared, int) else asyncio.run(prepared.run())
+
+
+async def serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """`run_args` inside a running event loop (the stand-in's async `run_server` leaf)."""
+    prepared = start(args, env)
+    return prepared if isinstance(prepared, int) else await prepared.run()
+
+
+def start(args: argparse.Namespace, env: Mapping[str, str]) -> FakeVllm | int:
+    """Everything before the engine runs: the API server's lines, the configuration (vLLM's
+    refusals, config_checks.py), the GPUs; an int is the exit status of a start that failed."""
     if args.model_tag is None:
         args.model_tag = args.model  # vLLM: no positional, so --model's value (or its default)
     pid = os.getpid()
@@ -566,17 +588,10 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     except ValueError as e:
         return _fail(console, f"ValueError: {e}")
     try:
-        name = env.get(SCENARIO_ENV)
-        scenario = (
-            load_scenario(name)
-            if name
-            else find_scenario(
-                args.model_tag, args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes
-            )
-        )
-        config = config_from_args(scenario, args)
+        built = build_config(args, env)  # what vLLM's create_engine_config would refuse
     except (ScenarioError, EngineConfigError) as e:
         return _fail(console, f"ValueError: {e}")
+    scenario, config = built.scenario, built.engine
     root = env.get(gpus.GPU_ROOT_ENV)
     uuids = select_gpus(env)
     if not root or not uuids:
@@ -595,7 +610,7 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     except gpus.SimGpuError as e:
         return _fail(console, f"RuntimeError: CUDA error: invalid device ordinal ({e})")
     atexit.register(ledger.release_all)  # whatever happens below, the GPUs are given back
-    fake = FakeVllm(
+    return FakeVllm(
         scenario=scenario,
         config=config,
         args=args,
@@ -606,7 +621,6 @@ def run(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         env=env,
         group=None if topo is None else Group(topo, env, console, settings.peak_hold_s),
     )
-    return asyncio.run(fake.run())
 
 
 def main(argv: Sequence[str] | None = None) -> None:

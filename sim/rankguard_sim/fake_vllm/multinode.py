@@ -97,6 +97,11 @@ _RPC = (
 def check_flags(args: argparse.Namespace) -> str | None:
     """vLLM's refusal of these multi-node flags (the ValueError's text), None when it takes them;
     then the sandbox's own, for what it does not simulate."""
+    return vllm_refusal(args) or sandbox_refusal(args)
+
+
+def vllm_refusal(args: argparse.Namespace) -> str | None:
+    """vLLM's own refusal of these multi-node flags (the ValueError's text), None when it takes them."""
     n = int(args.nnodes)
     if n <= 1:
         return None
@@ -110,6 +115,13 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return message("node_rank_range", n - 1, args.node_rank)
     if args.distributed_executor_backend not in (None, "mp", "uni", "external_launcher"):
         return message("nnodes_executor_backend")
+    return None
+
+
+def sandbox_refusal(args: argparse.Namespace) -> str | None:
+    """What the sandbox does not simulate of multi-node flags vLLM takes (not vLLM's words)."""
+    if int(args.nnodes) <= 1:
+        return None
     if args.distributed_executor_backend not in (None, "mp"):
         backend = args.distributed_executor_backend
         return f"the sandbox simulates --nnodes with the mp executor only, not {backend}"

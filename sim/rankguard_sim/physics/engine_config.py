@@ -29,6 +29,12 @@ class EngineConfigError(ValueError):
     """The flags cannot describe an engine for this scenario (vLLM would refuse to start)."""
 
 
+class UnsimulatedConfig(EngineConfigError):
+    """Flags vLLM builds a configuration from, which the simulated world cannot play (a topology
+    or KV cache dtype the scenario has no measurements for, a negative KV budget): the fake
+    engine fails to start on them, but the pod's judge must not call them vLLM's refusal."""
+
+
 # vLLM 0.33's default ceiling of the CUDA graph capture sizes off data-center Blackwell
 # (vllm/config/vllm.py:2464-2470: 1024 on capability family 100, else 512).
 DEFAULT_MAX_GRAPH_SIZE = 512
@@ -125,13 +131,13 @@ def engine_config(
     tp = scenario.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
     pp = scenario.pipeline_parallel_size if pipeline_parallel_size is None else pipeline_parallel_size
     if (tp, pp) != (scenario.tensor_parallel_size, scenario.pipeline_parallel_size):
-        raise EngineConfigError(
+        raise UnsimulatedConfig(
             f"scenario {scenario.name} describes TP{scenario.tensor_parallel_size}×"
             f"PP{scenario.pipeline_parallel_size}; the simulated world has no measurements for TP{tp}×PP{pp}"
         )
     nodes = scenario.nnodes if nnodes is None else nnodes
     if nodes != scenario.nnodes:
-        raise EngineConfigError(
+        raise UnsimulatedConfig(
             f"scenario {scenario.name} describes its world over {scenario.nnodes} node(s); the "
             f"simulated world has no measurements for it over {nodes}"
         )
@@ -139,7 +145,7 @@ def engine_config(
     if not 0.0 < util <= 1.0:
         raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 0:
-        raise EngineConfigError(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
+        raise UnsimulatedConfig(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
     seqs = scenario.defaults.max_num_seqs if max_num_seqs is None else max_num_seqs
     if seqs < 1:
         raise EngineConfigError(f"max_num_seqs must be >= 1, got {seqs}")
@@ -170,7 +176,7 @@ def engine_config(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
         )
     if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
-        raise EngineConfigError(
+        raise UnsimulatedConfig(
             f"kv_cache_dtype {kv_cache_dtype!r} is valid for vLLM, but the simulated world has no "
             f"measurements for it (simulated: auto, {', '.join(KV_CACHE_DTYPE_BYTES)})"
         )

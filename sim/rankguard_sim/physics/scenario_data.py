@@ -120,6 +120,8 @@ class ModelSpec:
     dtype_bytes: int
     max_position_embeddings: int
     source: str
+    # config.json's `architectures` (e.g. LlamaForCausalLM); () when the scenario does not say
+    architectures: tuple[str, ...] = ()
 
     def matches(self, model: str) -> bool:
         wanted = model.rstrip("/").lower()

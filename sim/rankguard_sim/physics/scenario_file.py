@@ -190,6 +190,10 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
     aliases = m._get("aliases", False) or []
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ScenarioError(f"{where}.model.aliases: expected a list of names")
+    # config.json's `architectures`: what vLLM's model registry reads (the fake's config checks)
+    architectures = m._get("architectures", False) or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ScenarioError(f"{where}.model.architectures: expected a list of class names")
     dtype_name = m.choice("dtype", ("bfloat16", "float16"), default="bfloat16")
     model = ModelSpec(
         name=m.text("name"),
@@ -201,6 +205,7 @@ def parse_scenario(doc: Any, where: str = "scenario", path: str | None = None) -
         dtype_bytes=DTYPE_BYTES[dtype_name or "bfloat16"],
         max_position_embeddings=m.integer("max_position_embeddings", 1),
         source=m.source(),
+        architectures=tuple(architectures),
     )
     m.done()
 

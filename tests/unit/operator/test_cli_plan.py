@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rankguard_operator import vllm_snapshots
 from rankguard_operator.cli import main
 from rankguard_operator.cli_plan import plan_doc
 from rankguard_operator.core.budget.planner import PlanInput, make_plan
@@ -48,6 +49,8 @@ def test_json_output_matches_the_planner(capsys: pytest.CaptureFixture[str]) -> 
             tp=8,
             max_num_seqs=128,
             logits_mode="gather",
+            # `rankguard plan` plans for the newest recorded release unless --vllm-version says
+            block_size=vllm_snapshots.latest().default_block_size,
         )
     )
     assert doc == json.loads(json.dumps(plan_doc(plan, doc["flags"])))
@@ -337,6 +340,9 @@ PLAN_VS_RENDER: list[tuple[str, dict[str, object], list[str]]] = [
 ]  # fmt: skip
 
 
+RELEASE = "0.33.0"
+
+
 @pytest.mark.parametrize(("case", "spec", "plan_args"), PLAN_VS_RENDER, ids=[c[0] for c in PLAN_VS_RENDER])
 def test_plan_prints_the_flags_render_deploys_for_the_same_spec(
     tmp_path: Path,
@@ -345,7 +351,7 @@ def test_plan_prints_the_flags_render_deploys_for_the_same_spec(
     spec: dict[str, object],
     plan_args: list[str],
 ) -> None:
-    doc = llmservice("svc", {**spec, "image": "vllm/vllm-openai:v0.33.0", "memory": {
+    doc = llmservice("svc", {**spec, "image": f"vllm/vllm-openai:v{RELEASE}", "memory": {
         **dict(spec.get("memory") or {}),  # type: ignore[call-overload]
         "gpuMemoryBytes": 80 * GiB,
     }})  # fmt: skip
@@ -355,6 +361,8 @@ def test_plan_prints_the_flags_render_deploys_for_the_same_spec(
     assert rc == 0, err
     [deployment] = [d for d in yaml.safe_load_all(out) if d["kind"] == "Deployment"]
     rendered = served_argv(deployment["spec"]["template"]["spec"])
+    # the same release as the image's: its block size sets the budget's rounding
+    plan_args = [*plan_args, "--vllm-version", RELEASE]
     rc, out, err = run(capsys, "plan", *plan_args, "--gpu-memory", "80GiB", "--json")
     assert rc == 0, err
     planned = json.loads(out)["flags"]
@@ -368,3 +376,40 @@ def test_plan_prints_the_flags_render_deploys_for_the_same_spec(
 def test_plan_refuses_a_value_the_operator_would_refuse(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(capsys, *ISSUE_EXAMPLE, "--block-size", "24")
     assert rc == 2 and "spec.engine.blockSize must be one of" in err
+
+
+@pytest.mark.parametrize(
+    ("version", "block"),
+    [
+        ("0.33.0", 16),
+        ("0.34.0", 64),
+        ("v0.35.1", 64),  # unrecorded: the nearest older release's, as the operator picks it
+        (None, vllm_snapshots.latest().default_block_size),  # the newest recorded by default
+    ],
+)
+def test_the_block_size_and_floor_are_the_vllm_versions(
+    capsys: pytest.CaptureFixture[str], version: str | None, block: int
+) -> None:
+    """vLLM 0.34 defaults to 64-token blocks where 0.33 used 16: the plan's blocks, tokens and
+    floor (one request of 8,192 tokens plus the null block) count the release's own."""
+    argv = [
+        "plan",
+        "--model",
+        "meta-llama/Meta-Llama-3-8B",
+        "--gpu-memory",
+        "80GiB",
+        "--max-model-len",
+        "8192",
+    ]
+    rc, out, err = run(capsys, *argv, *(["--vllm-version", version] if version else []), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["block_size"] == block
+    assert doc["min_kv_cache_memory_bytes"] == (8192 // block + 1) * block * 131_072
+    rc, out, _ = run(capsys, *argv, *(["--vllm-version", version] if version else []))
+    assert f"blocks of {block} = " in out
+
+
+def test_a_vllm_version_that_is_not_one_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, *ISSUE_EXAMPLE, "--vllm-version", "nightly")
+    assert rc == 2 and "'nightly' is not a vLLM version" in err

@@ -109,7 +109,8 @@ def test_only_the_measured_release_has_the_extensible_kv_cache_facts() -> None:
             assert set(entry.get(side, [])) <= set(ext["access_flags"]), name
     assert "EXPORTS_FABRIC" in ext["connectors"]["NixlConnector"]["device"]
     assert ext["connectors"]["NixlConnector"]["cpu"] == []
-    # the budget model stays on the last estimate-sized release's blocks until issue 51
+    # the last estimate-sized release, and the block size that grew with the measured one (the
+    # budget reads each engine's own: tests/unit/core/budget/test_kv_model_release_blocks.py)
     estimates = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE)
     assert (
         estimates.extensible is None

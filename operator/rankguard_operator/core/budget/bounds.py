@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.budget.kv_model import default_block_size
 from rankguard_operator.core.budget.memory_model import (
     PlanError,
@@ -27,6 +28,7 @@ from rankguard_operator.core.budget.memory_model import (
     runtime_peak_bytes,
 )
 from rankguard_operator.core.budget.planner import Plan, PlanInput, RankMeasurement, make_plan
+from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.model.checkpoint import CheckpointError, checkpoint_rank_weights
 from rankguard_operator.core.model.resolve import ModelResolution, resolve
 from rankguard_operator.core.model.shape import ModelShape
@@ -62,6 +64,21 @@ def gpu_memory_bytes(spec: ServiceSpec, measured: Sequence[RankMeasurement] = ()
     return spec.memory.gpu_memory_bytes
 
 
+def engine_release(spec: ServiceSpec) -> vllm_snapshots.Snapshot:
+    """The recorded release whose KV facts (default block size, null blocks) the budget uses:
+    the image's vLLM, learned from its tag as the spec's extraArgs and blockSize are judged
+    (core/engine/rules: the nearest older snapshot for an unrecorded release, the newest for a
+    tag that names none). The tag, not the version an agent reports: it is in the spec, so a
+    budget planned with it stays put when the engine starts and reports."""
+    return rules_for_image(spec.image).snapshot
+
+
+def engine_block_size(spec: ServiceSpec, shape: ModelShape) -> int:
+    """Tokens per KV block the engine will use: spec.engine.blockSize, else its release's own
+    choice for this model (kv_model.default_block_size: 16 up to vLLM 0.33, 64 from 0.34)."""
+    return spec.engine.block_size or default_block_size(shape, engine_release(spec))
+
+
 def plan_input(
     spec: ServiceSpec,
     shape: ModelShape,
@@ -88,7 +105,8 @@ def plan_input(
         pp=spec.pp,
         dtype=e.dtype,
         kv_cache_dtype=e.kv_cache_dtype,
-        block_size=e.block_size or default_block_size(shape),
+        block_size=engine_block_size(spec, shape),
+        null_blocks=engine_release(spec).null_blocks,
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len,
@@ -262,6 +280,14 @@ def budget_key(spec: ServiceSpec) -> str:
         ],
         "bounds": [r.min_kv_cache_bytes, r.max_kv_cache_bytes],
     }
+    # The engine release's KV facts decide whole blocks and the floor (0.34 counts 64-token
+    # blocks): an image moving to a release with other facts re-plans. Keyed only when they
+    # differ from the estimate-sizing release's, so services planned before 0.34 keep their key.
+    release = engine_release(spec)
+    legacy = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE)
+    facts = [release.default_block_size, release.null_blocks]
+    if facts != [legacy.default_block_size, legacy.null_blocks]:
+        doc["release"] = facts
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

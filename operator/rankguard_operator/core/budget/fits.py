@@ -19,9 +19,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from rankguard_operator.core.budget.bounds import plan_input
+from rankguard_operator.core.budget.bounds import engine_block_size, engine_release, plan_input
 from rankguard_operator.core.budget.gpu_labels import NodeGpu, planning_gpu_bytes
-from rankguard_operator.core.budget.kv_model import default_block_size, resolve_max_model_len, stage_layouts
+from rankguard_operator.core.budget.kv_model import resolve_max_model_len, stage_layouts
 from rankguard_operator.core.budget.memory_model import PlanError
 from rankguard_operator.core.budget.planner import Plan, make_plan
 from rankguard_operator.core.model.resolve import ModelResolution
@@ -54,8 +54,9 @@ def gpu_size(spec: ServiceSpec, learned: int | None, node: NodeGpu | None) -> tu
 
 def request_floor(spec: ServiceSpec, model: ModelResolution) -> int | None:
     """The per-GPU KV bytes of one request at maxModelLen plus the block(s) vLLM holds back
-    (below it vLLM refuses to start), from the model's KV layout; None for a model the planner
-    does not model (measure-first) or does not know yet."""
+    (below it vLLM refuses to start), from the model's KV layout at the block size the image's
+    vLLM will use (64 tokens from 0.34, 16 before); None for a model the planner does not model
+    (measure-first) or does not know yet."""
     shape = model.plan_shape
     if shape is None:
         return None
@@ -66,7 +67,8 @@ def request_floor(spec: ServiceSpec, model: ModelResolution) -> int | None:
         pp=spec.pp,
         kv_cache_dtype=e.kv_cache_dtype,
         dtype=e.dtype,
-        block_size=e.block_size or default_block_size(shape),
+        block_size=engine_block_size(spec, shape),
+        null_blocks=engine_release(spec).null_blocks,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_model_len=e.max_model_len,
     )
@@ -81,6 +83,7 @@ def _request_floor(
     kv_cache_dtype: str,
     dtype: str,
     block_size: int,
+    null_blocks: int,
     max_num_batched_tokens: int,
     max_model_len: int | None,
 ) -> int | None:
@@ -95,11 +98,22 @@ def _request_floor(
             dtype=dtype,
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            null_blocks=null_blocks,
         )
         mml = resolve_max_model_len(shape, max_model_len)
         return max(lay.min_budget_bytes(mml) for lay in layouts)
     except (PlanError, ValueError):
         return None
+
+
+def _blocks(spec: ServiceSpec, model: ModelResolution) -> str:
+    """The block size a floor was counted in, and whose it is (vLLM 0.34 changed it to 64)."""
+    shape = model.plan_shape
+    assert shape is not None  # a floor exists only for a modelled shape
+    size = engine_block_size(spec, shape)
+    if spec.engine.block_size:
+        return f"{size}-token blocks (spec.engine.blockSize)"
+    return f"{size}-token blocks (vLLM {engine_release(spec).version}'s default for this model)"
 
 
 def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int, str] | None) -> None:
@@ -120,9 +134,9 @@ def check_budget_fits(spec: ServiceSpec, model: ModelResolution, gpu: tuple[int,
     if pinned is not None and one is not None and pinned < one:
         raise BudgetDoesNotFit(
             f"spec.memory.kvCacheMemoryBytes ({pinned} bytes, {format_bytes(pinned)}) cannot hold "
-            f"{request}, which needs {one} bytes ({format_bytes(one)}) per GPU: vLLM would refuse to "
-            f"start. Raise it to at least {one}, lower spec.engine.maxModelLen, or remove it to let "
-            "rankguard plan the budget"
+            f"{request}, which needs {one} bytes ({format_bytes(one)}) per GPU in {_blocks(spec, model)}: "
+            f"vLLM would refuse to start. Raise it to at least {one}, lower spec.engine.maxModelLen, "
+            "or remove it to let rankguard plan the budget"
         )
     if gpu is None:
         return

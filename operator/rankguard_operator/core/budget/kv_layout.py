@@ -27,7 +27,9 @@ _ATTENTION: frozenset[str] = frozenset({"full", "sliding", "chunked", "mla"})
 # null block; get_kv_cache_configs (v1/core/kv_cache_planning.py) reserves it before the check.
 # Blocks the block pool holds back for good (vLLM >= 0.33's "null block", reserved before the
 # too-small check): a budget must hold one request's blocks PLUS these, or vLLM refuses to start.
-# From the recorded snapshot's engine.json (the last estimate-sized release's, until issue 51).
+# Each release's count is its snapshot's engine.json (`Snapshot.null_blocks`), which the budget
+# passes per engine (kv_model.stage_layouts); this is only the default of a layout built with no
+# engine in mind (tests, bench): the fallback release's (vllm_snapshots.ESTIMATE_SIZING_RELEASE).
 NULL_BLOCKS = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE).null_blocks
 # VllmConfig.max_in_flight_tokens (config/vllm.py) = max_concurrent_batches x
 # max_num_batched_tokens: 2 (async scheduling, PP1) x 8192 (engine/arg_utils.py
@@ -89,6 +91,7 @@ class KVLayout:
     groups: tuple[KVGroup, ...]  # in vLLM's order
     max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS
     mamba_pages_per_request: int = 1
+    null_blocks: int = NULL_BLOCKS  # the engine's release's (Snapshot.null_blocks)
 
     def _group_pages(self, g: KVGroup, max_model_len: int) -> int:
         # cdiv(spec.max_memory_usage_bytes, page) per group (kv_cache_utils.py:
@@ -129,7 +132,7 @@ class KVLayout:
         """Smallest budget vLLM 0.33 starts with: _check_enough_kv_cache_memory wants one
         request's blocks x bytes_per_block within the budget less the null block
         (get_kv_cache_configs); anything below raises "... KV cache is needed"."""
-        return self.bytes_per_block * (self.blocks_per_request(max_model_len) + NULL_BLOCKS)
+        return self.bytes_per_block * (self.blocks_per_request(max_model_len) + self.null_blocks)
 
 
 # One KV-cache group: the spec its layers share, and the indices of those layers.
@@ -287,6 +290,7 @@ def kv_layout(
     mamba_pages_per_request: int = 1,
     kernel_block_size: int = DEFAULT_KERNEL_BLOCK,
     mamba_checkpoint_alignment: int = 1,
+    null_blocks: int = NULL_BLOCKS,
 ) -> KVLayout:
     """The layout vLLM 0.33 builds (kv_cache_planning.py: get_kv_cache_groups, then
     get_kv_cache_config_from_groups) for one rank's layers at `block_size` (--block-size or
@@ -295,7 +299,8 @@ def kv_layout(
     hybrid_allocator: None = vLLM's default (config/vllm.py): on, except off when a layer uses
     chunked local attention. mamba_pages_per_request: MambaSpec.max_memory_usage_bytes / page,
     1 (+ speculative tokens) without prefix caching, 2 (+ spec + 1 FlashInfer-GDN checkpoint) with
-    it. mamba_checkpoint_alignment: 64 for GDN on FlashInfer with prefix caching, else 1."""
+    it. mamba_checkpoint_alignment: 64 for GDN on FlashInfer with prefix caching, else 1.
+    null_blocks: the blocks the engine's release holds back (its snapshot's engine.json)."""
     _check_layers(layers, block_size, kernel_block_size, mamba_checkpoint_alignment)
     specs = [_layer_spec(x, block_size) for x in layers]
     kinds = {s.kind for s in specs}
@@ -314,4 +319,5 @@ def kv_layout(
         groups=tuple(KVGroup(s.kind, s.window, len(m), s.block_size) for s, m in grouped),
         max_in_flight_tokens=max_in_flight_tokens,
         mamba_pages_per_request=mamba_pages_per_request,
+        null_blocks=null_blocks,
     )

@@ -2,6 +2,8 @@
 in the pool (`layer_kv`), the stage's layout (`stage_kv_layout`, grouped by `kv_layout` as the
 hybrid allocator groups it), and from it the shrink floor (one request at max_model_len plus
 the null block) and what a budget buys (blocks, tokens, max concurrency, as vLLM prints them).
+The block size and the null blocks are the engine's release's (`default_block_size`: 16-token
+blocks up to 0.33, 64 from 0.34).
 Split from `memory_model` (the rest of a rank's memory) so each reads on its own.
 
 Pure: no I/O, no clock.
@@ -12,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rankguard_operator.core.budget.kv_layout import KVLayout, LayerKV, kv_layout
+from rankguard_operator import vllm_snapshots
+from rankguard_operator.core.budget.kv_layout import NULL_BLOCKS, KVLayout, LayerKV, kv_layout
 from rankguard_operator.core.budget.memory_model import (
     DEFAULT_BLOCK_SIZE,
     Capacity,
@@ -24,8 +27,13 @@ from rankguard_operator.core.budget.memory_model import (
 from rankguard_operator.core.model.shape import ModelShape
 from rankguard_operator.core.spec.crd import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-# MLA backends' kernel block (FlashMLA), which vLLM uses when --block-size is not given.
+# MLA backends' kernel block (FlashMLA: get_supported_kernel_block_sizes [64]), which vLLM uses
+# when --block-size is not given and the release's default is not a multiple of it.
 MLA_BLOCK_SIZE = 64
+# The CUDA attention backends vLLM picks first for standard attention (platforms/cuda.py
+# _get_backend_priorities: FLASH_ATTN before FLASHINFER, FLASHINFER first on SM100): the block
+# sizes they accept (the snapshot's surface.json `attention_block_sizes`) decide the default.
+STANDARD_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
 # vLLM's async scheduling keeps two steps in flight (VllmConfig.max_in_flight_tokens).
 IN_FLIGHT_STEPS = 2
 # A gated delta-net layer's state pages per request with prefix caching on (vLLM's default):
@@ -62,10 +70,26 @@ def layer_kv(shape: ModelShape, layer: int, tp: int, kv_bytes: int) -> LayerKV:
     return LayerKV("full", bytes_per_token=per_token)
 
 
-def default_block_size(shape: ModelShape) -> int:
-    """vLLM's block size when --block-size is not given: the snapshot's default, 64 for MLA
-    (the MLA backends' kernel block, FlashMLA)."""
-    return MLA_BLOCK_SIZE if shape.mla is not None else DEFAULT_BLOCK_SIZE
+def default_block_size(shape: ModelShape, release: vllm_snapshots.Snapshot | None = None) -> int:
+    """The block size the engine of `release` uses when --block-size is not given, as vLLM
+    resolves it (platforms/interface.py update_block_size_for_backend, 0.33 and 0.34 alike):
+    its CacheConfig.DEFAULT_BLOCK_SIZE (engine.json `default_block_size`: 16 up to 0.33, 64 from
+    0.34) when the attention backend supports it, else the smallest size the backend supports
+    (AttentionBackend.get_preferred_block_size). Standard attention: FLASH_ATTN / FLASHINFER,
+    which take both 16 and 64. MLA: FlashMLA takes multiples of 64 only, so 64 under a default of
+    16 and the default itself from 0.34. `release` None: a caller with no engine in mind (tests,
+    bench) gets the fallback release's (memory_model.DEFAULT_BLOCK_SIZE); the operator always
+    passes the engine's (bounds.engine_block_size)."""
+    default = DEFAULT_BLOCK_SIZE if release is None else release.default_block_size
+    if shape.mla is not None:
+        return default if default % MLA_BLOCK_SIZE == 0 else MLA_BLOCK_SIZE
+    if release is None:
+        return default
+    table = release.surface.get("attention_block_sizes") or {}
+    sizes = next((table[b] for b in STANDARD_BACKENDS if isinstance(table.get(b), list)), None)
+    if not sizes or default in sizes:
+        return default
+    return int(min(sizes))
 
 
 def stage_kv_layout(
@@ -77,11 +101,13 @@ def stage_kv_layout(
     dtype: str = "auto",
     block_size: int | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    null_blocks: int = NULL_BLOCKS,
 ) -> KVLayout:
     """The KV pool vLLM builds on a rank holding `layers`, grouped as its hybrid allocator does.
     Sliding and chunked layers hold their window plus the tokens in flight (two scheduler steps
     of max_num_batched_tokens, vLLM's async scheduling); a linear-attention state takes the
-    pages vLLM gives it with prefix caching on (its default), aligned for its checkpoints."""
+    pages vLLM gives it with prefix caching on (its default), aligned for its checkpoints.
+    `block_size` and `null_blocks`: the engine's release's (None: `default_block_size`'s fallback)."""
     check_tp(shape, tp)
     kvb = kv_dtype_bytes(kv_cache_dtype, dtype)
     linear = shape.linear is not None
@@ -91,6 +117,7 @@ def stage_kv_layout(
         max_in_flight_tokens=IN_FLIGHT_STEPS * max_num_batched_tokens,
         mamba_pages_per_request=MAMBA_PAGES_WITH_PREFIX_CACHING if linear else 1,
         mamba_checkpoint_alignment=MAMBA_CHECKPOINT_ALIGNMENT if linear else 1,
+        null_blocks=null_blocks,
     )
 
 
@@ -138,6 +165,7 @@ def stage_layouts(
     block_size: int | None = None,
     pp_layer_partition: Sequence[int] | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    null_blocks: int = NULL_BLOCKS,
 ) -> tuple[KVLayout, ...]:
     stages = stage_layers(shape, pp, pp_layer_partition)
     return tuple(
@@ -149,6 +177,7 @@ def stage_layouts(
             dtype=dtype,
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            null_blocks=null_blocks,
         )
         for s in range(pp)
     )
@@ -165,7 +194,7 @@ def min_budget_for_one_request(
     """The smallest --kv-cache-memory-bytes with which every rank still holds the blocks of one
     request at max_model_len plus the null block(s) the pool holds back (below it vLLM refuses
     to start with its kv_too_small message). The operator's shrink floor. `split`: pp, dtype,
-    pp_layer_partition, max_num_batched_tokens, as `stage_layouts` takes them."""
+    pp_layer_partition, max_num_batched_tokens, null_blocks, as `stage_layouts` takes them."""
     mml = resolve_max_model_len(shape, max_model_len)
     layouts = stage_layouts(shape, tp, kv_cache_dtype=kv_cache_dtype, block_size=block_size, **split)
     return max(lay.min_budget_bytes(mml) for lay in layouts)

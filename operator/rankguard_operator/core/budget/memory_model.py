@@ -22,9 +22,12 @@ from rankguard_operator.core.units import GiB, MiB
 # --------------------------------------------------------------------------------------------
 # Defaults. The KV facts come from the recorded vLLM snapshot (engine.json), not from memory.
 
-# vLLM's block size when --block-size is not given (CacheConfig.DEFAULT_BLOCK_SIZE); rankguard
-# renders --block-size only when the spec sets it, so vLLM's own choice stands otherwise. Read
-# from the last estimate-sized release (16 tokens) until issue 51 reads it per engine (0.34: 64).
+# vLLM's block size when --block-size is not given (CacheConfig.DEFAULT_BLOCK_SIZE) differs by
+# release (16 up to 0.33, 64 from 0.34): the budget reads the engine's own release
+# (kv_model.default_block_size; bounds.engine_block_size from the image's tag). This is only the
+# fallback of a PlanInput built with no engine in mind (tests, bench): the fallback release's
+# (vllm_snapshots.ESTIMATE_SIZING_RELEASE). rankguard renders --block-size only when the spec sets
+# it, so vLLM's own choice stands otherwise.
 DEFAULT_BLOCK_SIZE = vllm_snapshots.load(vllm_snapshots.ESTIMATE_SIZING_RELEASE).default_block_size
 
 # --------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from rankguard_operator.core.budget.kv_layout import KVLayout
+from rankguard_operator.core.budget.kv_layout import NULL_BLOCKS, KVLayout
 from rankguard_operator.core.budget.kv_model import (
     capacity_of,
     layer_kv,
@@ -123,7 +123,10 @@ class PlanInput:
     dtype: str = "auto"  # vLLM --dtype: activations and unquantised weights
     weight_dtype: str = "auto"  # auto: the checkpoint's quantisation if known, else `dtype`
     kv_cache_dtype: str = "auto"  # vLLM --kv-cache-dtype; auto = `dtype`
+    # tokens per KV block and blocks the pool holds back, as the engine's release has them
+    # (bounds.plan_input: the image's vLLM; the defaults are only a fallback for hand-built input)
     block_size: int = DEFAULT_BLOCK_SIZE
+    null_blocks: int = NULL_BLOCKS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings, as vLLM does
@@ -488,6 +491,7 @@ def make_plan(inp: PlanInput) -> Plan:
         block_size=inp.block_size,
         pp_layer_partition=inp.pp_layer_partition,
         max_num_batched_tokens=inp.max_num_batched_tokens,
+        null_blocks=inp.null_blocks,
     )
     drafts = _draft_ranks(inp)
     block_unit = max(lay.bytes_per_block for lay in layouts)

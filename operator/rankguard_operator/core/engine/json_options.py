@@ -199,7 +199,14 @@ def check_json_option(entry: Mapping[str, Any], text: str, to_int: Callable[[str
         return f"needs a JSON object, got {_kind(value)}"
     schema = entry.get("schema")
     if isinstance(schema, Mapping):
-        return _Schema(schema).problem(schema, value, "$")
+        why = _Schema(schema).problem(schema, value, "$")
+        # a field that needs another, which a JSON schema cannot say (surface.json's `x-requires`,
+        # found through vLLM's own validator: a non-empty kv_connector needs a kv_role)
+        for key, needs in (schema.get("x-requires") or {}).items():
+            missing = [n for n in needs if value.get(n) is None]
+            if why is None and value.get(key) and missing:
+                why = f"$.{key} needs {missing[0]} too (vLLM refuses it without)"
+        return why
     fields = entry.get("fields") or []
     unknown = sorted(set(value) - set(fields))
     if unknown:

@@ -16,11 +16,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
-from rankguard_operator.core.engine.json_options import expand_human_numbers
-from rankguard_operator.core.engine.vllm_cli import VllmCli, human_readable_int
+from rankguard_operator.core.engine.vllm_cli import VllmCli
 from rankguard_operator.core.names import VLLM_HTTP_PORT
 
 # The `--quantization` methods rankguard renders from spec.model.quantization on an unquantised
@@ -161,27 +159,16 @@ def capture_sizes_flag(extra_args: Sequence[str], cli: VllmCli) -> str | None:
     """The extraArgs flag that sets CUDA-graph capture sizes (`--cudagraph-capture-sizes`, or
     compilation-config's cudagraph_capture_sizes / max_cudagraph_capture_size, whole or dotted),
     or None."""
-    for i, word in cli.walk(extra_args)[0]:
+    compilation: str | None = None
+    for _, word in cli.walk(extra_args)[0]:
         o = word.option
-        if o is None:
-            continue
-        if o.dest == "cudagraph_capture_sizes":
+        if o is not None and o.dest == "cudagraph_capture_sizes":
             return word.key
-        if o.dest != "compilation_config":
-            continue
-        if word.dotted:  # `-cc.cudagraph_capture_sizes+ 1,2`: the key path is in the item itself
-            path = extra_args[i].split("=", 1)[0].split(".")[1:]
-            if path and path[0].rstrip("+") in _CAPTURE_KEYS:
-                return extra_args[i].split("=", 1)[0]
-            continue
-        for value in word.values:
-            try:
-                doc = json.loads(expand_human_numbers(value, human_readable_int))
-            except ValueError:
-                continue
-            if isinstance(doc, dict) and any(k in doc for k in _CAPTURE_KEYS):
-                return f"{word.key} (its {', '.join(k for k in _CAPTURE_KEYS if k in doc)})"
-    return None
+        if o is not None and o.dest == "compilation_config":
+            compilation = compilation or word.key.split(".", 1)[0]
+    doc = cli.json_object(extra_args, "compilation_config")  # the object vLLM reads, dotted items folded
+    keys = [k for k in _CAPTURE_KEYS if doc is not None and k in doc]
+    return f"{compilation} (its {', '.join(keys)})" if compilation is not None and keys else None
 
 
 def chunked_prefill_off(extra_args: Sequence[str], cli: VllmCli) -> bool:

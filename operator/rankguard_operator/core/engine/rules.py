@@ -43,7 +43,8 @@ class Rules:
 def rules_for(version: str | None) -> Rules:
     choice = vllm_snapshots.for_engine(version)
     snap = choice.snapshot
-    return Rules(snap, VllmCli(snap.cli, snap.version, snap.surface), choice.note)
+    connectors = tuple((snap.extensible or {}).get("connectors", {}))
+    return Rules(snap, VllmCli(snap.cli, snap.version, snap.surface, connectors), choice.note)
 
 
 def rules_for_image(image: str) -> Rules:

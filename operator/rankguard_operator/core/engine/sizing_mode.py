@@ -23,7 +23,6 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,21 +86,7 @@ class Connector:
 def connector(extra_args: Sequence[str], cli: VllmCli) -> Connector | None:
     """The `--kv-transfer-config` extraArgs give (the last one wins, as argparse keeps it), read as
     vLLM's KVTransferConfig reads it; None without one (or one that names no connector)."""
-    doc: dict[str, Any] | None = None
-    for i, word in cli.walk(extra_args)[0]:
-        if word.option is None or word.option.dest != "kv_transfer_config":
-            continue
-        if word.dotted:  # `--kv-transfer-config.kv_connector NixlConnector`: one key of the object
-            key = extra_args[i].split("=", 1)[0].split(".", 1)[1]
-            doc = dict(doc or {})
-            doc[key] = word.attached if word.attached is not None else (word.values[0] if word.values else "")
-            continue
-        raw = word.attached if word.attached is not None else (word.values[0] if word.values else "")
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            continue  # the surface check refuses it with vLLM's message; nothing to read here
-        doc = parsed if isinstance(parsed, dict) else None
+    doc = cli.json_object(extra_args, "kv_transfer_config")  # dotted items folded, as vLLM folds them
     if not doc or not isinstance(doc.get("kv_connector"), str):
         return None
     extra = doc.get("kv_connector_extra_config")

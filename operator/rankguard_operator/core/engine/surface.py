@@ -22,9 +22,10 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from rankguard_operator.core.engine.vllm_cli import HELP, VllmCli, Word
+from rankguard_operator.core.engine.config_checks import config_problems
+from rankguard_operator.core.engine.settings import Setting, float_value, int_value, settings, turned_on
+from rankguard_operator.core.engine.vllm_cli import HELP, VllmCli
 from rankguard_operator.core.units import GiB, format_bytes
 from rankguard_operator.vllm_snapshots import version_key
 
@@ -45,6 +46,11 @@ _RAY = (
     "a Ray executor places ranks on pods of its own choosing, so which pod holds which rank (and "
     "which rank ran out of memory) cannot be computed; rankguard runs vLLM's mp executor, across "
     "pods with spec.distributed"
+)
+
+_ARCH_ONLY = (
+    "{what} is implemented for a few architectures only (vLLM refuses it for the others, e.g. "
+    "Llama and Qwen3-MoE, when it builds its config) and the planner does not model its memory"
 )
 
 # dest -> why a rankguard pod cannot run with it turned on
@@ -94,6 +100,12 @@ REFUSED: dict[str, str] = {
         "prepares a process checkpoint as the engine starts, which then serves nothing until "
         "something calls /checkpoint/restore: the pod would never become ready"
     ),
+    # Features vLLM builds only for the few architectures that implement them (its model registry
+    # decides, in the pod): the extraArgs table's refusals stay refused over both the dense and
+    # the mixture-of-experts catalog model it builds over, and the planner models none of them
+    "enable_hc_sp": _ARCH_ONLY.format(what="hybrid-context sequence parallelism"),
+    "use_replayssm": _ARCH_ONLY.format(what="the replayed SSM state cache"),
+    "engram_config": _ARCH_ONLY.format(what="Engram n-gram embeddings"),
 }
 
 # dest -> what the planner does not model about it (the service is measured instead)
@@ -180,52 +192,6 @@ ACCEPTED: dict[str, str] = {
 EXECUTORS = ("mp", "uni")
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One option as the argv sets it: where, how it was written, and its last value."""
-
-    at: int
-    key: str
-    value: str | None  # None: a switch (or a flag with no value)
-    on: bool  # False for a switch's negative spelling
-
-
-def settings(words: Sequence[tuple[int, Word]]) -> dict[str, Setting]:
-    """dest -> the last setting of it in the argv (argparse keeps the last). A dotted piece of a
-    JSON option (`--speculative-config.method ngram`) sets that option like the whole object."""
-    out: dict[str, Setting] = {}
-    for i, w in words:
-        o = w.option
-        if o is None:
-            continue
-        value = w.values[-1] if w.values else w.attached
-        out[o.dest] = Setting(i, w.key, value, not w.turns_off)
-    return out
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except ValueError:
-        return None
-
-
-def _float(value: str | None) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except ValueError:
-        return None
-
-
-def _turned_on(s: Setting) -> bool:
-    """Whether the setting asks for something: a switch on, a value other than off/empty."""
-    if not s.on:
-        return False
-    if s.value is None:
-        return True
-    return s.value.strip().lower() not in ("", "none", "0", "0.0", "false", "auto")
-
-
 def _rules(found: Mapping[str, Setting], tp: int, pp: int, version: str) -> list[str]:
     """What vLLM checks before it loads anything (its serve-args validation and ParallelConfig)."""
     problems = [
@@ -242,7 +208,7 @@ def _rules(found: Mapping[str, Setting], tp: int, pp: int, version: str) -> list
 
 def _api_server_count_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("api_server_count")
-    if s is not None and (_int(s.value) or 0) < 1:
+    if s is not None and (int_value(s.value) or 0) < 1:
         return f"[{s.at}] {s.key} {s.value} starts no API server: {_NO_HTTP}"
     return None
 
@@ -250,14 +216,16 @@ def _api_server_count_problem(found: Mapping[str, Setting]) -> str | None:
 def _prefill_context_problem(found: Mapping[str, Setting]) -> str | None:
     # (refused here, not with the rest of REFUSED: 1 is vLLM's default and changes nothing)
     s = found.get("prefill_context_parallel_size")
-    if s is not None and (_int(s.value) or 1) > 1:
-        return f"[{s.at}] {s.key} {s.value} {REFUSED['prefill_context_parallel_size']}"
-    return None
+    if s is None or not turned_on(s):
+        return None
+    if (int_value(s.value) or 0) < 1:
+        return f"[{s.at}] {s.key} {s.value} leaves vLLM a world of no GPUs; leave it out (1)"
+    return f"[{s.at}] {s.key} {s.value} {REFUSED['prefill_context_parallel_size']}"
 
 
 def _decode_context_problem(found: Mapping[str, Setting], tp: int) -> str | None:
     s = found.get("decode_context_parallel_size")
-    dcp = _int(s.value) if s is not None else None
+    dcp = int_value(s.value) if s is not None else None
     if s is not None and dcp is not None and (dcp < 1 or tp % dcp):
         return (
             f"[{s.at}] {s.key} {s.value} must divide spec.tensorParallelSize ({tp}): vLLM's decode context "
@@ -293,6 +261,8 @@ def _executor_problem(found: Mapping[str, Setting], gpus: int) -> str | None:
 _NEEDS = (
     ("enable_auto_tool_choice", "tool_call_parser"),
     ("enable_log_outputs", "enable_log_requests"),
+    ("collect_detailed_traces", "otlp_traces_endpoint"),
+    ("per_request_spec_decode_metrics", "speculative_config"),
     ("numa_bind_nodes", "numa_bind"),
     ("numa_bind_cpus", "numa_bind"),
 )
@@ -309,13 +279,13 @@ def _companion_problems(found: Mapping[str, Setting], version: str) -> list[str]
     for dest, needs in _NEEDS:
         s = found.get(dest)
         need = found.get(needs)
-        if s is None or not _turned_on(s):
+        if s is None or not turned_on(s):
             continue
         if lists_bind and needs == "numa_bind":
-            if need is not None and not _turned_on(need):
+            if need is not None and not turned_on(need):
                 problems.append(f"[{s.at}] {s.key} cannot be combined with {need.key} (vLLM refuses both)")
             continue
-        if need is None or not _turned_on(need):
+        if need is None or not turned_on(need):
             flag = "--" + needs.replace("_", "-")
             problems.append(f"[{s.at}] {s.key} needs {flag} (vLLM refuses to start without it)")
     return problems
@@ -324,14 +294,14 @@ def _companion_problems(found: Mapping[str, Setting], version: str) -> list[str]
 def _per_request_metrics_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("enable_per_request_metrics")
     off = found.get("disable_log_stats")
-    if s is not None and _turned_on(s) and off is not None and off.on:
+    if s is not None and turned_on(s) and off is not None and off.on:
         return f"[{s.at}] {s.key} needs engine statistics: remove {off.key} (vLLM refuses both)"
     return None
 
 
 def _keep_alive_problem(found: Mapping[str, Setting]) -> str | None:
     s = found.get("sse_keep_alive_interval")
-    if s is not None and (_int(s.value) or 0) < 0:
+    if s is not None and (int_value(s.value) or 0) < 0:
         return f"[{s.at}] {s.key} must be 0 (off) or a positive number of seconds"
     return None
 
@@ -347,17 +317,20 @@ def check_surface(extra_args: Sequence[str], cli: VllmCli, tp: int, pp: int) -> 
         if dest in REFUSED and dest != "prefill_context_parallel_size" and _refuses(dest, s)
     ]
     problems += _rules(found, tp, pp, cli.version)
+    s = found.get("enable_fault_tolerance")
+    if s is not None and turned_on(s):
+        problems.append(
+            f"[{s.at}] {s.key} needs vLLM's external data-parallel load balancing "
+            f"(--data-parallel-external-lb or --data-parallel-rank), which a rankguard pod cannot have: {_DP}"
+        )
+    problems += config_problems(extra_args, cli, found)
     return [f"spec.engine.extraArgs{p}" for p in sorted(problems, key=_position)]
 
 
 def _refuses(dest: str, s: Setting) -> bool:
-    if dest == HELP:
-        return True
-    if dest in ("nnodes",):
-        return (_int(s.value) or 1) > 1
-    if dest == "node_rank":
-        return (_int(s.value) or 0) > 0
-    return _turned_on(s)
+    # any value other than vLLM's default: `--nnodes 0` and `--node-rank=-1` are no more a
+    # single pod than `--nnodes 2` (vLLM bounds the rank from above only)
+    return dest == HELP or turned_on(s)
 
 
 def _position(problem: str) -> int:
@@ -370,8 +343,8 @@ def measure_first_reasons(extra_args: Sequence[str], cli: VllmCli) -> list[str]:
     found = settings(words)
     reasons = []
     for dest, s in sorted(found.items(), key=lambda kv: kv[1].at):
-        if dest in MEASURE_FIRST and _turned_on(s):
-            if dest == "decode_context_parallel_size" and (_int(s.value) or 1) <= 1:
+        if dest in MEASURE_FIRST and turned_on(s):
+            if dest == "decode_context_parallel_size" and (int_value(s.value) or 1) <= 1:
                 continue
             reasons.append(MEASURE_FIRST[dest])
     return list(dict.fromkeys(reasons))
@@ -385,13 +358,37 @@ def host_memory_bytes(extra_args: Sequence[str], cli: VllmCli, gpus: int) -> tup
     parts = []
     for dest, (what, per_gpu) in HOST_MEMORY.items():
         s = found.get(dest)
-        gib = _float(s.value) if s is not None else None
+        gib = float_value(s.value) if s is not None else None
         if s is None or gib is None or gib <= 0:
             continue
         nbytes = int(gib * GiB) * (gpus if per_gpu else 1)
         total += nbytes
         parts.append(f"{s.key} {s.value} ({what}: {format_bytes(nbytes)})")
+    offload = found.get("kv_offloading_size")
+    if offload is None or not turned_on(offload):  # else vLLM writes that size over the connector's
+        kv = _connector_host_bytes(cli.json_object(extra_args, "kv_transfer_config"))
+        if kv and "kv_transfer_config" in found:
+            total += kv
+            s = found["kv_transfer_config"]
+            parts.append(f"{s.key} cpu_bytes_to_use (KV cache in host memory: {format_bytes(kv)})")
     return total, parts
+
+
+def _connector_host_bytes(doc: Mapping[str, object] | None) -> int:
+    """The pinned host memory a KV connector's extra config asks for: the offloading connectors'
+    `cpu_bytes_to_use` (what `--kv-offloading-size` becomes in vLLM's config), a MultiConnector's
+    children's together."""
+    if not isinstance(doc, Mapping):
+        return 0
+    extra = doc.get("kv_connector_extra_config")
+    if not isinstance(extra, Mapping):
+        return 0
+    size = extra.get("cpu_bytes_to_use")
+    total = int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0 else 0
+    children = extra.get("connectors")
+    for child in children if isinstance(children, list) else []:
+        total += _connector_host_bytes(child if isinstance(child, Mapping) else None)
+    return total
 
 
 def check_host_memory(

@@ -11,6 +11,11 @@ LLMService before anything is deployed and `rankguard render --check` can say wh
 refuse. tests/unit/core/engine/test_surface.py holds it against what the real parser did with 1,000+
 command lines (tests/fixtures/vllm_argv_cases.json).
 
+(Over 450 lines because it is one reader: an argv is walked once, item by item, and the prefix,
+dotted-item, negative-number and JSON-folding rules each change how the next item is read; the
+JSON schemas and the value rules it answers to live beside it, in json_options.py and
+config_checks.py.)
+
 Pure: no I/O (the snapshot is handed in).
 """
 
@@ -19,12 +24,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from functools import lru_cache
 from typing import Any
 
-from rankguard_operator.core.engine.json_options import check_json_option
+from rankguard_operator.core.engine.json_options import check_json_option, expand_human_numbers
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
@@ -38,6 +43,12 @@ class Option:
     type: Mapping[str, Any] | None
     choices: tuple[Any, ...] | None
     negative: tuple[str, ...] = ()  # a switch's spellings that turn it off (`--no-enable-lora`)
+    # the value vLLM's parser gives when the option is not written (not part of the identity: a list)
+    default: Any = field(default=None, compare=False)
+
+    def reads(self, value: str) -> Any:
+        """The value vLLM's `type=` callable makes of `value` (ValueError where it refuses it)."""
+        return convert(self.type, value)
 
     @property
     def takes_value(self) -> bool:
@@ -128,12 +139,25 @@ class VllmCli:
     surface.json records beyond argparse: the help spellings and the JSON options' schemas)."""
 
     def __init__(
-        self, cli_doc: Mapping[str, Any], version: str, surface: Mapping[str, Any] | None = None
+        self,
+        cli_doc: Mapping[str, Any],
+        version: str,
+        surface: Mapping[str, Any] | None = None,
+        kv_connectors: Sequence[str] = (),
     ) -> None:
         self.version = version
+        # the KV connectors vLLM's factory registers (engine.json, where the snapshot records them)
+        self.kv_connectors: frozenset[str] = frozenset(kv_connectors)
         self.allow_abbrev = bool(cli_doc.get("allow_abbrev", True))
         surface = surface or {}
+        # a release whose engine.json lists no connectors: the factory's names surface.json records
+        self.kv_connectors = self.kv_connectors or frozenset(surface.get("kv_connectors", ()))
         self.json_options: Mapping[str, Any] = surface.get("json_options", {})
+        # what vLLM's config build checks of a value its parser passes (surface.json; a release
+        # recorded before these keys has none, and the rules reading them then say nothing)
+        self.value_bounds: Mapping[str, Any] = surface.get("value_bounds", {})
+        self.value_names: Mapping[str, Any] = surface.get("value_names", {})
+        self.dict_options: Mapping[str, Any] = surface.get("dict_options", {})
         helps = tuple(surface.get("help_options", ()))
         self.options: tuple[Option, ...] = tuple(
             Option(
@@ -144,6 +168,7 @@ class VllmCli:
                 type=o.get("type"),
                 choices=None if o.get("choices") is None else tuple(o["choices"]),
                 negative=tuple(o.get("negative_option_strings") or ()),
+                default=o.get("default"),
             )
             for o in cli_doc["options"]
         ) + ((Option(HELP, helps, HELP, 0, None, None),) if helps else ())
@@ -195,10 +220,10 @@ class VllmCli:
         attached = value if eq else None
         if key.startswith("--"):
             # FlexibleArgumentParser: underscores become dashes up to the first `.`
-            base, dot, _rest = key[2:].partition(".")
+            base, dot, rest = key[2:].partition(".")
             key = "--" + base.replace("_", "-")
-            if dot:
-                return Word(self._by_spelling.get(key), key, attached, dotted=True)
+            if dot:  # the key keeps its path (`--speculative-config.method`): it is folded by it
+                return Word(self._by_spelling.get(key), f"{key}.{rest}", attached, dotted=True)
             if key in self._by_spelling:
                 return Word(self._by_spelling[key], key, attached)
             if self.allow_abbrev and len(key) > 2:
@@ -362,6 +387,28 @@ class VllmCli:
             if why is not None:
                 problems.append(f"[{first}] {o.name} (from its dotted items): {why}")
         return problems
+
+    def json_object(self, argv: Sequence[str], dest: str) -> dict[str, Any] | None:
+        """The object a JSON option (`--kv-transfer-config`, `-cc`, …) holds after vLLM reads `argv`
+        (flags only): FlexibleArgumentParser folds the dotted items (`-cc.mode=3`) into one object
+        and appends it after every other item, so dotted items win over a whole value; otherwise
+        the last whole value (argparse keeps the last), `4k`-style numbers expanded. None: the
+        option is not given, or its value is not a JSON object (the reader reports that)."""
+        whole: dict[str, Any] | None = None
+        dotted: dict[str, Any] | None = None
+        for _, word in self.walk(argv)[0]:
+            if word.option is None or word.option.dest != dest or not word.values:
+                continue
+            if word.dotted:
+                dotted = {} if dotted is None else dotted
+                _fold(dotted, word.key, word.values[0])
+                continue
+            try:
+                value = json.loads(expand_human_numbers(word.values[-1], human_readable_int))
+            except ValueError:
+                value = None
+            whole = value if isinstance(value, dict) else None
+        return dotted if dotted is not None else whole
 
     def check_serve(self, argv: Sequence[str]) -> list[str]:
         """Problems vLLM would have with a whole `serve MODEL FLAGS…` argv (after `vllm`)."""

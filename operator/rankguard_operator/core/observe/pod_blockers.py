@@ -22,6 +22,11 @@ InitContainerFailed      an init container that ended non-zero or is in         
                          CrashLoopBackOff (the agent installer's normal run is not)
 NoScheduler              a Pending pod no scheduler has answered (no PodScheduled        30 s
                          condition at all): spec.schedulerName nobody serves
+EngineRefusedArguments   the vLLM container's latest run ended with the agent's          0 s
+                         termination record EngineRefusedArguments (the image's own
+                         vLLM refused the arguments before the engine started) and has
+                         not run since: said as the refusal, with vLLM's words, never
+                         as a crash loop
 SidecarNotReady          a container other than vLLM running but never Ready, or         30 s+
                          crash-looping (vLLM may load weights for many minutes: its
                          readiness and its crashes are the policy's business)
@@ -33,7 +38,10 @@ kept across passes and restarts like `unschedulableSince`) before its class is s
 covers the retry Kubernetes makes on its own (a Secret created a moment after the pod, an
 image registry's hiccup). A sidecar's grace also covers its own probe's initial delay and
 failure threshold. GPU memory (CUDA OOM, OOMKilled, engine crashes of vLLM) stays the
-policy's (core/policy/crash_rules): nothing here reads the vLLM container's terminations.
+policy's (core/policy/crash_rules): of the vLLM container's terminations only a refusal of its
+arguments is read here (the policy says it too; this keeps it said between the runs the
+kubelet's back-off spaces out, and for a multi-node service, which has no rollout to read).
+A refusal is vLLM's own verdict on arguments that do not change between runs: no grace.
 
 Pure: no I/O, no clock (`now` is an argument). Events come in already read (the edge reads
 the Warning Events of the objects `event_subjects` names, and only those).
@@ -47,7 +55,7 @@ from typing import Any
 
 from rankguard_operator.core.names import VLLM_CONTAINER
 from rankguard_operator.core.observe.blockers import bounded
-from rankguard_operator.core.observe.pods import get_path
+from rankguard_operator.core.observe.pods import ENGINE_REFUSED, Termination, get_path, refused_run
 from rankguard_operator.core.units import parse_iso
 
 # the Degraded reasons, in the order a pass says them when several hold at once (the earliest
@@ -58,6 +66,7 @@ IMAGE_PULL_FAILED = "ImagePullFailed"
 VOLUME_MOUNT_FAILED = "VolumeMountFailed"
 INIT_CONTAINER_FAILED = "InitContainerFailed"
 NO_SCHEDULER = "NoScheduler"
+ENGINE_REFUSED_ARGUMENTS: str = ENGINE_REFUSED
 SIDECAR_NOT_READY = "SidecarNotReady"
 PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
 REASONS = (
@@ -67,6 +76,7 @@ REASONS = (
     VOLUME_MOUNT_FAILED,
     INIT_CONTAINER_FAILED,
     NO_SCHEDULER,
+    ENGINE_REFUSED_ARGUMENTS,
     SIDECAR_NOT_READY,
     PROGRESS_DEADLINE_EXCEEDED,
 )
@@ -81,6 +91,7 @@ GRACE_SECONDS: Mapping[str, float] = {
     VOLUME_MOUNT_FAILED: 0.0,  # the Events are read only after MOUNT_WAIT_SECONDS already
     INIT_CONTAINER_FAILED: 10.0,
     NO_SCHEDULER: 30.0,
+    ENGINE_REFUSED_ARGUMENTS: 0.0,  # vLLM's own verdict on arguments no retry changes
     SIDECAR_NOT_READY: 30.0,
     PROGRESS_DEADLINE_EXCEEDED: 0.0,  # the Deployment's own deadline has passed
 }
@@ -132,6 +143,11 @@ HINTS: Mapping[str, str] = {
         "spec.template (for rankguard-agent-install: spec.agent.image)"
     ),
     NO_SCHEDULER: "run that scheduler, or remove schedulerName from spec.template",
+    ENGINE_REFUSED_ARGUMENTS: (
+        "no GPU memory was used, and every start is refused the same way, so rankguard "
+        "remediates nothing and rolls nothing back: change what vLLM names (spec.engine.extraArgs, "
+        "or the spec field that renders that flag) and apply the spec (one roll)"
+    ),
     SIDECAR_NOT_READY: (
         "a pod is Ready only when every container is, so the Service sends it no traffic: fix the "
         "sidecar or its readinessProbe in spec.template (kubectl describe pod, kubectl logs -c)"
@@ -157,6 +173,19 @@ class Stuck:
 
 def _stuck(reason: str, subject: str, said: str, name: str) -> Stuck:
     return Stuck(reason, subject, said, GRACE_SECONDS[reason], name)
+
+
+# vLLM's own words quoted in a condition: an argparse line or an exception with its text (a
+# pydantic validation error lists every field it refused); the termination record keeps 1 KiB
+REFUSAL_CHARS = 600
+
+
+def refusal(t: Termination) -> Stuck:
+    """A run the image's own vLLM refused, as a blocker (and as the policy says it: one text)."""
+    code = "" if t.exit_code is None else f" (exit code {t.exit_code})"
+    words = bounded(t.message, REFUSAL_CHARS) or "no message was recorded"
+    said = f'vLLM refused its arguments before the engine started{code}: "{words}"'
+    return _stuck(ENGINE_REFUSED_ARGUMENTS, f"pod {t.pod_name}, container {t.container}", said, t.pod_name)
 
 
 @dataclass(frozen=True)
@@ -355,9 +384,11 @@ def pod_verdict(
     if not get_path(pod, "spec", "nodeName"):
         return _unscheduled_verdict(pod, name)
     # the first cause in the order a pod starts: init containers, containers made, volumes, sidecars
+    refused = refused_run(pod)
     return (
         _init_verdict(pod, name)
         or _containers_waiting_verdict(pod, name)
+        or (None if refused is None else refusal(refused))
         or _mount_verdict(pod, name, events, now)
         or _sidecars_verdict(pod, name)
     )

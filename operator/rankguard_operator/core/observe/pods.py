@@ -9,6 +9,9 @@ How a termination is identified: the kubelet reports the run that just ended fir
 is that run's number and `key` (pod uid / container / run) is the same in both views: a
 termination delivered twice, or seen in both places, is handled once.
 
+(Over 450 lines because a run's termination, a pod's refused run and the rollout are read from
+the same container statuses with the same keys: split, the three readings would drift apart.)
+
 Pure: no I/O, no clock.
 """
 
@@ -16,8 +19,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypedDict
 
 from rankguard_agent.wire import termination as tm
 from rankguard_agent.wire.recognisers import AVAILABLE_KV, CudaOom, KVObservation, KVTooSmall, recognise
@@ -31,14 +34,21 @@ from rankguard_operator.core.names import (
 )
 from rankguard_operator.core.units import parse_iso
 
-TerminationKind = Literal["CUDAOutOfMemory", "KVCacheTooSmall", "OOMKilled", "EngineError", "Other"]
+TerminationKind = Literal[
+    "CUDAOutOfMemory", "KVCacheTooSmall", "OOMKilled", "EngineError", "EngineRefusedArguments", "Other"
+]
 CUDA_OOM: TerminationKind = "CUDAOutOfMemory"
 KV_CACHE_TOO_SMALL: TerminationKind = "KVCacheTooSmall"
 OOM_KILLED: TerminationKind = "OOMKilled"
 ENGINE_ERROR: TerminationKind = "EngineError"
+# The image's own vLLM refused the arguments before the engine started (the agent's engine
+# judge): nothing ran, no GPU memory was touched, and the same arguments are refused on every
+# run, so no flag rankguard moves and no rollback can fix it; a person must change the spec.
+ENGINE_REFUSED: TerminationKind = "EngineRefusedArguments"
 OTHER: TerminationKind = "Other"
 # A run that failed, for memory (the GPU's, the KV cache's, the container's) or in the engine:
 # what the flags it ran under can be blamed for. `Other` is a stop (a rollout, a scale-down).
+# A refusal is not one of them: the arguments the person wrote are refused, not the flags.
 FAILURE_KINDS: tuple[TerminationKind, ...] = (CUDA_OOM, KV_CACHE_TOO_SMALL, OOM_KILLED, ENGINE_ERROR)
 
 # Exit codes of a process stopped by SIGINT/SIGTERM (128 + signal): a normal rollout or
@@ -139,6 +149,7 @@ class Termination:
     free_at_load_bytes: int | None = None
     others_at_load_bytes: int | None = None
     others_peak_bytes: int | None = None  # the most others held on its GPU, as its agent saw
+    template_hash: str | None = None  # the rankguard pod template the pod was created from
 
     @property
     def sigkilled(self) -> bool:
@@ -213,6 +224,7 @@ def _classify(terminated: Mapping[str, Any], *, group_pod: bool = False) -> dict
             tm.CUDA_OOM: CUDA_OOM,
             tm.KV_CACHE_TOO_SMALL: KV_CACHE_TOO_SMALL,
             tm.ENGINE_ERROR: ENGINE_ERROR,
+            tm.ENGINE_REFUSED: ENGINE_REFUSED,
         }
         info = {
             "kind": kinds.get(msg.reason, OTHER),
@@ -247,6 +259,7 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
     uid = str(get_path(pod, "metadata", "uid") or "")
     name = str(get_path(pod, "metadata", "name") or "")
     flags = pod_flags(pod)
+    template = carried_template_hash(pod)
     group_pod = get_path(pod, "metadata", "labels", GROUP_LABEL) is not None or (
         get_path(pod, "metadata", "labels", ROLE_LABEL) is not None
     )
@@ -269,10 +282,28 @@ def terminations(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> lis
                     container=container,
                     restart_count=run,
                     flags=flags,
+                    template_hash=template,
                     **_classify(terminated, group_pod=group_pod),
                 )
             )
     return out
+
+
+def refused_run(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> Termination | None:
+    """The latest run of `container` when the image's own vLLM refused its arguments and it has
+    not run since (it waits in the kubelet's back-off, or has just ended); None while it runs,
+    when its latest run ended otherwise, and for a pod being deleted. Unlike a termination,
+    this holds on every pass for as long as the pod refuses, not only the pass that saw it end."""
+    if get_path(pod, "metadata", "deletionTimestamp"):
+        return None
+    for cs in get_path(pod, "status", "containerStatuses") or []:
+        if not isinstance(cs, Mapping) or cs.get("name") != container:
+            continue
+        if isinstance(get_path(cs, "state", "running"), Mapping):
+            return None
+        ended = terminations(pod, container)  # oldest first: the latest run is the last
+        return ended[-1] if ended and ended[-1].kind == ENGINE_REFUSED else None
+    return None
 
 
 def first_unended_run(pod: Mapping[str, Any], container: str = VLLM_CONTAINER) -> int:
@@ -327,6 +358,10 @@ class RolloutState:
     template_matches: bool  # the Deployment carries the template hash we rendered
     reason: str = ""
     message: str = ""
+    # a pod of this template whose vLLM refused its arguments and has not run since (refused_run):
+    # why the rollout does not progress, and why no rollback can help
+    refused: Termination | None = None
+    template_hash: str = ""  # the template whose rollout this is
 
     @property
     def complete(self) -> bool:
@@ -337,17 +372,40 @@ class RolloutState:
         return self.phase == "failed"
 
 
+class _Counts(TypedDict):
+    replicas: int
+    updated_replicas: int
+    ready_replicas: int
+    available_replicas: int
+
+
 def _count(status: Mapping[str, Any], key: str) -> int:
     v = status.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
-def rollout_state(deployment: Mapping[str, Any] | None, template_hash: str) -> RolloutState:
+def rollout_state(
+    deployment: Mapping[str, Any] | None, template_hash: str, pods: Sequence[Mapping[str, Any]] = ()
+) -> RolloutState:
     """Where the Deployment's rollout of `template_hash` stands, the way `kubectl rollout status`
     judges it: failed once the Progressing condition says ProgressDeadlineExceeded; complete
     when the controller has observed the latest generation and every desired replica is
     updated and available with no old replicas left; progressing otherwise. Unknown when the
-    Deployment is missing or does not carry our template yet (the apply has not landed)."""
+    Deployment is missing or does not carry our template yet (the apply has not landed).
+    `pods`: the service's pods; one of this template whose vLLM refused its arguments is
+    `refused` (the first by name), however long ago the policy saw it end."""
+    state = replace(_rollout(deployment, template_hash), template_hash=template_hash)
+    if not state.template_matches:
+        return state
+    ours = sorted(
+        (p for p in pods if carried_template_hash(p) == template_hash),
+        key=lambda p: str(get_path(p, "metadata", "name") or ""),
+    )
+    refused = next((r for p in ours if (r := refused_run(p)) is not None), None)
+    return state if refused is None else replace(state, refused=refused)
+
+
+def _rollout(deployment: Mapping[str, Any] | None, template_hash: str) -> RolloutState:
     if not isinstance(deployment, Mapping):
         return RolloutState("unknown", 0, 0, 0, 0, False, False, "NotFound", "the Deployment does not exist")
     spec = deployment.get("spec") if isinstance(deployment.get("spec"), Mapping) else {}
@@ -362,7 +420,7 @@ def rollout_state(deployment: Mapping[str, Any] | None, template_hash: str) -> R
     )
     current_hash = get_path(spec, "template", "metadata", "annotations", TEMPLATE_HASH_ANNOTATION)
     matches = current_hash == template_hash
-    counts = {
+    counts: _Counts = {
         "replicas": desired,
         "updated_replicas": _count(status, "updatedReplicas"),
         "ready_replicas": _count(status, "readyReplicas"),

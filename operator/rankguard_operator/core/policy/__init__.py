@@ -16,6 +16,11 @@ Rules, in the order they are tried (the first that applies wins):
     caller planned with them). With no plan yet (GPU size unknown) vLLM starts at
     utilisation 0.9 and rule 8 converts to bytes once the agents report the GPUs. The same
     happens when the spec's budget inputs changed (`budget_key`): trigger "SpecChanged".
+ 0b. The image's own vLLM refused the arguments before the engine started (termination
+    EngineRefusedArguments; with a Deployment, as long as a pod of the template in effect still
+    refuses) -> Degraded "EngineRefusedArguments", quoting vLLM. Nothing ran: no remediation,
+    no rollback (the spec's arguments would come back with it), never an OOM or a crash loop;
+    the person's spec edit rolls once, and the condition clears when the new pods serve.
  1. CUDA OOM on rank r -> shrink by the deficit (requested − free) plus the safety margin.
     In utilisation mode the budget in effect is not a flag, so it is taken, in this order,
     from vLLM's own "Available KV cache memory" line of the failed run, from the live

@@ -1,6 +1,7 @@
-"""Rules 1-5b: a run ended badly (CUDA OOM, KV cache too small, OOMKilled, a failed rollout, an
-engine error after a change, an engine error no rollback can fix). A CUDA OOM of a known phase
-other than the KV allocation's is answered by that phase's lever (oom_levers.py)."""
+"""Rule 0b: the image's vLLM refused the arguments. Rules 1-5b: a run ended badly (CUDA OOM, KV
+cache too small, OOMKilled, a failed rollout, an engine error after a change, an engine error no
+rollback can fix). A CUDA OOM of a known phase other than the KV allocation's is answered by
+that phase's lever (oom_levers.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from dataclasses import replace
 
 from rankguard_agent.wire.termination import PHASE_KV_ALLOCATION
 from rankguard_operator.core.budget.bounds import kv_floor
+from rankguard_operator.core.observe.pod_blockers import refusal
 from rankguard_operator.core.observe.pods import (
     CUDA_OOM,
     ENGINE_ERROR,
+    ENGINE_REFUSED,
     KV_CACHE_TOO_SMALL,
     OOM_KILLED,
     SIGKILLED,
@@ -41,12 +44,42 @@ from rankguard_operator.core.policy.tunables import (
     LEVER_KV,
     T_CUDA_OOM,
     T_ENGINE_ERROR,
+    T_ENGINE_REFUSED,
     T_KV_TOO_SMALL,
     T_OOM_KILLED,
     T_ROLLOUT_FAILED,
     VPA_MIN_BUMP_BYTES,
 )
 from rankguard_operator.core.units import MiB, format_bytes
+
+
+def rule_engine_refused(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:
+    """Rule 0b: the image's own vLLM refused the arguments before the engine started (the
+    agent's engine judge). Nothing ran, so nothing about memory is known; the same arguments
+    are refused on every start, so neither a lever nor a rollback can help (a rollback keeps the
+    spec's arguments) and a crash loop it is not: Degraded, quoting vLLM, until a person changes
+    the spec. With a Deployment the rollout says it on every pass for as long as a pod of the
+    template in effect refuses (a pod of an older template, or one that runs again, does not);
+    a multi-node service, which has no rollout, says it when a refusal ends a run; so does a pod
+    of the template in effect whose refused run ended but which already runs again."""
+    ended = [t for t in rel if t.kind == ENGINE_REFUSED]
+    r = inp.rollout
+    ours = [t for t in ended if r is None or t.template_hash == r.template_hash]
+    refused = (r.refused if r is not None else None) or next(iter(ours), None)
+    if refused is None:
+        return None
+    cur = inp.current
+    assert cur is not None
+    return make_decision(
+        inp,
+        "degrade",
+        cur,
+        trigger=T_ENGINE_REFUSED,
+        reason=T_ENGINE_REFUSED,
+        message=refusal(refused).message(0),
+        rank=refused.rank,
+        handled=[t.key for t in ended],
+    )
 
 
 def rule_cuda_oom(inp: PolicyInput, rel: Sequence[Termination]) -> Decision | None:

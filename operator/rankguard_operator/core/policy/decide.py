@@ -16,6 +16,7 @@ from rankguard_operator.core.policy.crash_rules import (
     rule_cuda_oom,
     rule_engine_crash_loop,
     rule_engine_error,
+    rule_engine_refused,
     rule_kv_too_small,
     rule_oom_killed,
     rule_rollout_failed,
@@ -87,6 +88,7 @@ def steady(inp: PolicyInput) -> Decision:
 
 
 RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ...] = (
+    rule_engine_refused,
     rule_cuda_oom,
     rule_kv_too_small,
     rule_oom_killed,
@@ -103,6 +105,7 @@ RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ..
 # An engine that measures its own KV cache (vLLM 0.34): its own OOM rules, no headroom rules
 # (core/policy/measured.py says why)
 MEASURED_RULES: tuple[Callable[[PolicyInput, Sequence[Termination]], Decision | None], ...] = (
+    rule_engine_refused,
     rule_cuda_oom_measured,
     rule_kv_too_small_measured,
     rule_oom_killed,
@@ -148,7 +151,8 @@ def decide(inp: PolicyInput) -> Decision:
     rel = [t for t in inp.new_terminations if not superseded(t, cur)]
     # Normal stops (rollouts, scale-down) are only recorded as seen, and so are engine errors
     # that no rollback can fix (nothing changed since the flags were known good, or the error
-    # came before the latest change).
+    # came before the latest change), and refusals of the arguments (rule 0b reads them from
+    # the rollout, on every pass while they last).
     ignorable = [
         t.key
         for t in rel

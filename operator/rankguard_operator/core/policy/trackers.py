@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.pods import (
+    ENGINE_REFUSED,
     FAILURE_KINDS,
     RolloutState,
     Termination,
@@ -102,6 +103,7 @@ def next_last_known_good(
     if b is None or b.min_free_bytes < spec.memory.min_headroom_bytes:
         return prev
     for t in terminations:
-        if t.kind in FAILURE_KINDS and (t.flags is None or t.flags == current):
+        # (a refusal of the arguments is no failure of the flags, but these did not run either)
+        if t.kind in (*FAILURE_KINDS, ENGINE_REFUSED) and (t.flags is None or t.flags == current):
             return prev
     return current

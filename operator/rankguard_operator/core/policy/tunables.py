@@ -53,6 +53,7 @@ T_KV_TOO_SMALL = "KVCacheTooSmall"
 T_OOM_KILLED = "OOMKilled"
 T_ROLLOUT_FAILED = "RolloutFailed"
 T_ENGINE_ERROR = "EngineError"
+T_ENGINE_REFUSED = "EngineRefusedArguments"  # the image's vLLM refused the arguments (rule 0b)
 T_HEADROOM_WORSE = "HeadroomWorse"
 T_LOW_HEADROOM = "LowHeadroom"
 T_MEASURED = "Measured"

@@ -19,6 +19,7 @@ from rankguard_operator.core.conditions import Condition, condition, phase_for, 
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.observe.headroom import Observation
 from rankguard_operator.core.observe.memory_trend import MemoryTrend
+from rankguard_operator.core.observe.pod_blockers import ENGINE_REFUSED_ARGUMENTS
 from rankguard_operator.core.observe.pod_blockers import REASONS as POD_BLOCKER_REASONS
 from rankguard_operator.core.observe.pods import RolloutState
 from rankguard_operator.core.policy import Decision
@@ -40,7 +41,15 @@ STICKY_REASONS = ("OOMAtFloor", "PinnedBudgetOOM", "MemoryLimitAtCap")
 # start, core/observe/pod_blockers; a spec that cannot be served): they go as soon as it no
 # longer holds, never kept "until ready" (a spec that was fixed is being deployed, not invalid).
 # (NameTaken, ModelCacheClaimTaken: core/step/surroundings.refusal, while another service holds it)
-OBSERVED_REASONS = ("Unschedulable", "InvalidSpec", "NameTaken", "ModelCacheClaimTaken", *POD_BLOCKER_REASONS)
+# A refusal of the engine's arguments is not one of them: it stays until the service is ready, so
+# a fixed spec's pods, judged anew, clear it by serving (not by merely starting to load weights).
+OBSERVED_REASONS = (
+    "Unschedulable",
+    "InvalidSpec",
+    "NameTaken",
+    "ModelCacheClaimTaken",
+    *(r for r in POD_BLOCKER_REASONS if r != ENGINE_REFUSED_ARGUMENTS),
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -93,6 +93,11 @@ def engine_status(view: EngineView, key: str) -> dict[str, Any]:
     doc: dict[str, Any] = {"versionSource": view.source, "rules": view.rules.version, "budgetKey": key}
     if view.version is not None:
         doc["version"] = view.version
+    # which release's rules applied, and why not the engine's own: kept beside `rules` (the
+    # EngineRules condition says it too, as a sentence; no Event, which would say it a third time)
+    note = _note(view)
+    if note is not None:
+        doc["rulesNote"] = note
     if view.rows:
         doc["ranks"] = [dict(r) for r in view.rows]
     if view.startup_free_bytes is not None:
@@ -102,18 +107,36 @@ def engine_status(view: EngineView, key: str) -> dict[str, Any]:
     return doc
 
 
+# Where the recorded rules may trail the engine, the engine's own vLLM does not: the agent has it
+# judge the arguments before the engine starts (docs/vllm-flags.md)
+POD_JUDGES = (
+    "the pod's own vLLM judges the arguments before the engine starts, and a refusal is said as "
+    "EngineRefusedArguments"
+)
+
+
+def _note(view: EngineView) -> str | None:
+    """Why the rules are not the engine's own release's, bounded as the CRD keeps it; None: they are."""
+    if view.version is None:
+        why = (
+            "no agent has reported the vLLM version and the image tag names none; "
+            f"using vLLM {view.rules.version}'s recorded rules"
+        )
+    elif view.rules.note is not None:
+        why = view.rules.note
+    else:
+        return None
+    return f"{why}; {POD_JUDGES}"[:512]
+
+
 def with_rules_condition(
     conditions: Sequence[Mapping[str, Any]], view: EngineView, now_iso: str, generation: int
 ) -> list[dict[str, Any]]:
-    rules = view.rules
+    note = _note(view)
     if view.version is None:
-        status, reason = "Unknown", "VersionUnknown"
-        message = (
-            "no agent has reported the vLLM version and the image tag names none; "
-            f"using vLLM {rules.version}'s recorded rules"
-        )
-    elif rules.note is not None:
-        status, reason, message = "False", "NearestSnapshot", rules.note
+        status, reason, message = "Unknown", "VersionUnknown", note or ""
+    elif note is not None:
+        status, reason, message = "False", "NearestSnapshot", note
     else:
         status, reason = "True", "Recorded"
         message = f"vLLM {view.version} (from the {view.source}): its recorded CLI and log formats apply"

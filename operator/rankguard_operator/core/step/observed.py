@@ -65,7 +65,7 @@ def observe(
         reports=reports,
         observation=observation,
         terminations=ended,
-        rollout=pods.rollout_state(deployment, current_hash or "") if deployment else None,
+        rollout=pods.rollout_state(deployment, current_hash or "", world.pods) if deployment else None,
         low_since=policy.track_low_headroom(state.low_headroom_since, observation, spec, world.now),
         ample_since=ample_since,
         ample_lowest=policy.track_ample_lowest(

@@ -29,8 +29,27 @@ def test_budget_key_changes_only_with_budget_inputs() -> None:
         parse_spec({**DOC, "tensorParallelSize": 8}),
     ):
         assert budget_key(changed) != k
-    for same in (parse_spec({**DOC, "replicas": 3}), parse_spec({**DOC, "image": "vllm:other"})):
+    same_release_facts = (
+        "vllm/vllm-openai:v0.33.1",
+        "vllm/vllm-openai:v0.32.0",
+        "registry.local/vllm:v0.30.0",
+    )
+    for same in (
+        parse_spec({**DOC, "replicas": 3}),
+        *(parse_spec({**DOC, "image": i}) for i in same_release_facts),
+    ):
         assert budget_key(same) == k
+
+
+def test_budget_key_changes_with_the_release_block_size() -> None:
+    # vLLM 0.34 counts 64-token blocks: a budget planned for 0.33's 16 is planned again (a tag
+    # naming no release is judged as the newest recorded one, 0.34)
+    k = budget_key(SPEC)
+    for image in ("vllm/vllm-openai:v0.34.0", "vllm/vllm-openai:v0.35.2", "vllm:other"):
+        assert budget_key(parse_spec({**DOC, "image": image})) != k
+    assert budget_key(parse_spec({**DOC, "image": "vllm/vllm-openai:v0.34.0"})) == budget_key(
+        parse_spec({**DOC, "image": "vllm/vllm-openai:v0.35.2"})
+    )
 
 
 def test_initial_plan_inputs() -> None:

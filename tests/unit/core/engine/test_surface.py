@@ -129,8 +129,16 @@ def test_the_table_covers_every_kind_of_case(table: Table) -> None:
         "memory",
         "help",
         "negative",
+        "explicit",  # "0", "none", "false", "auto", -1 where an option's type takes them
+        "config",  # what vLLM checks only when it builds its engine config
     ):
         assert groups[group] > 0, group
+    # the config step ran: vLLM's engine config was built (or refused) for every case that got there
+    built = [c["real"]["config"] for c in cases if c["real"]["parse"] == "ok" and "validate" not in c["real"]]
+    assert (
+        sum(1 for b in built if b == "ok") > 900
+        and sum(1 for b in built if not b.startswith(("ok", "unj"))) > 200
+    )
     # every JSON option has a good and a bad value; every owned option every spelling
     json_dests = set(rules.snapshot.surface["json_options"])
     flags_seen = {c["extra_args"][0].split(".")[0] for c in cases}
@@ -151,14 +159,43 @@ def test_the_table_covers_every_kind_of_case(table: Table) -> None:
 
 
 @each_table
+def judged_in_the_pod(real: dict[str, Any]) -> bool:
+    """A refusal that hangs on what the apply-time rules cannot see: the real vLLM accepted the
+    same command over another catalog model (argv_cases.py's `config_other_model`, a
+    mixture-of-experts one, or `config_mqa_model`, one with a single KV head), or with the
+    command's values present as files (`with_files`: a chat template in the image). The pod's own
+    vLLM judges these before the engine starts (engine_judge.py)."""
+    return "ok" in (real.get("config_other_model"), real.get("config_mqa_model"), real.get("with_files"))
+
+
+def test_judged_in_the_pod_means_the_verdict_changed_with_the_model_or_the_files() -> None:
+    pod = [c for t in TABLES for c in t.cases if not c["real"]["starts"] and judged_in_the_pod(c["real"])]
+    assert any(c["real"].get("config_other_model") == "ok" for c in pod)  # -ep on a dense model
+    assert any(c["real"].get("config_mqa_model") == "ok" for c in pod)  # -dcp 2 with 8 KV heads
+    assert any(c["real"].get("with_files") == "ok" for c in pod)  # --chat-template auto, a file
+    # the generator ran the other judgements on every case the config step refused
+    for t in TABLES:
+        for c in t.cases:
+            refused = not c["real"].get("config", "ok").startswith(("ok", "unjudged"))
+            assert refused == ("config_other_model" in c["real"]) == ("config_mqa_model" in c["real"]), c
+            assert (refused or "validate" in c["real"]) == ("with_files" in c["real"]), c
+
+
+@each_table
 def test_rankguard_never_accepts_a_command_vllm_refuses_or_cannot_run(table: Table) -> None:
-    wrong = [
-        f"{c['extra_args']}: vLLM {c['real']}"
-        for c in table.cases
-        if not c["real"]["starts"] and decide(tuple(c["extra_args"]), table.image) is None
-    ]
-    assert not wrong, f"{len(wrong)} accepted by rankguard, refused or crash-looped by vLLM:\n" + "\n".join(
-        wrong
+    wrong = []
+    pod = 0
+    for c in table.cases:
+        if c["real"]["starts"] or decide(tuple(c["extra_args"]), table.image) is not None:
+            continue
+        if judged_in_the_pod(c["real"]):
+            pod += 1  # the pod's own vLLM refuses it before the engine starts
+            continue
+        wrong.append(f"{c['extra_args']}: vLLM {c['real']}")
+    assert not wrong, (
+        f"{len(wrong)} accepted by rankguard, refused or crash-looped by vLLM for every model and "
+        f"without the pod's files (besides {pod} judged in the pod: their verdict changes with the "
+        "model or the files):\n" + "\n".join(wrong)
     )
 
 
@@ -355,8 +392,11 @@ def test_measure_first_and_host_memory_options() -> None:
     assert "host memory" in reason(["--cpu-offload-gb", "4"])
     assert reason(["--no-enable-expert-parallel"]) == ""
     # a dotted piece sets its JSON option as the whole object does
-    assert "speculative decoding" in reason(["--speculative-config.method", "ngram"])
-    assert "KV connector" in reason(["--kv-transfer-config.kv_connector=LMCacheConnectorV1"])
+    # (with its number of tokens: vLLM refuses an ngram method without one, config step of the table)
+    spec = ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "3"]
+    assert "speculative decoding" in reason(spec)
+    kvt = ["--kv-transfer-config.kv_connector=LMCacheConnectorV1", "--kv-transfer-config.kv_role=kv_both"]
+    assert "KV connector" in reason(kvt)
     doc = spec_doc(["--cpu-offload-gb", "16"])
     doc["resources"] = {"limits": {"memory": "24Gi"}}
     with pytest.raises(SpecError, match=r"32Gi of host memory .*--cpu-offload-gb 16.*24Gi"):

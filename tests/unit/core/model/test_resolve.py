@@ -112,9 +112,15 @@ def test_runtime_fp8_on_a_quantised_checkpoint_is_refused() -> None:
 @pytest.mark.parametrize(
     ("extra", "why"),
     [
-        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+            "speculative decoding",
+        ),
         (["--enable-lora"], "LoRA adapters"),
-        (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1"}'], "KV connector"),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'],
+            "KV connector",
+        ),
     ],
 )
 def test_serving_features_the_planner_does_not_model_go_measure_first(extra: list[str], why: str) -> None:

@@ -99,6 +99,8 @@ def sample(opt: dict[str, object]) -> tuple[str, object]:
     if isinstance(choices, list):
         value = next(c for c in choices if c is not None)
         return str(value), value
+    if opt["dest"] in snapshot().surface.get("custom_options", {}):
+        return "a=b", "a=b"  # vLLM's own item reader (`--lora-modules`): name=path
     raw = SAMPLES[name]
     if name == "json":
         return raw, {"a": 1}

@@ -75,13 +75,15 @@ def test_image_python_has_third_party_packages_but_not_rankguards(tmp_path: Path
 
 
 def test_image_python_reports_the_snapshot_vllm_version_without_vllm_on_the_test_side(tmp_path: Path) -> None:
-    """The agent reads importlib.metadata.version("vllm") in the vLLM container, never importing it."""
+    """The agent reads importlib.metadata.version("vllm") in the vLLM container; the image's
+    python also imports the stand-in `vllm` package (its version the same), the test process not."""
     from rankguard_sim.vllm_snapshot import version
 
     table = build_image(tmp_path / "bin")
     probe = (
         "import importlib.metadata as m, importlib.util as u;"
-        "print(m.version('vllm'), u.find_spec('vllm') is None)"
+        "print(m.version('vllm'), u.find_spec('vllm').origin.endswith('sim/vllm_standin/vllm/__init__.py'));"
+        "import vllm; print(vllm.__version__)"
     )
     out = subprocess.run(
         [table.commands["python3"], "-c", probe],
@@ -91,12 +93,14 @@ def test_image_python_reports_the_snapshot_vllm_version_without_vllm_on_the_test
         check=True,
     )
     assert version() == "0.33.0"
-    assert out.stdout.split() == ["0.33.0", "True"]  # the metadata only: there is no vllm to import
-    # Nothing leaks into this (the test) process: no "vllm" distribution here.
+    assert out.stdout.split() == ["0.33.0", "True", "0.33.0"]
+    # Nothing leaks into this (the test) process: no "vllm" distribution, no `vllm` package here.
     import importlib.metadata
+    import importlib.util
 
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("vllm")
+    assert importlib.util.find_spec("vllm") is None
     assert not list((REPO / "sim").rglob("vllm-*.dist-info"))
 
 

@@ -1,0 +1,1 @@
+"""vLLM's entry points (the stand-in has the `vllm` command only)."""

@@ -1,0 +1,1 @@
+"""The `vllm` command line."""
