@@ -531,7 +531,7 @@ def test_status_subresource_and_printer_columns(cluster: ControlPlane, crd: str,
 
     wide = cluster.kubectl("get", "llmservice", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
     assert wide[:12] == header
-    assert wide[12:] == ["MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE", "SIZING"]
+    assert wide[12:] == ["MAX-CONCURRENCY", "BUDGET-SOURCE", "IMAGE", "SIZING", "RULES"]
 
 
 def test_status_history_is_bounded(cluster: ControlPlane, crd: str, namespace: str) -> None:
