@@ -124,7 +124,7 @@ def test_without_vllm_the_judge_writes_unjudged(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(result.read_text())
     assert doc["verdict"] == UNJUDGED and "ModuleNotFoundError" in doc["message"], doc
-    assert doc["vllm_version"] is None and doc["seconds"] >= 0
+    assert doc["vllm_version"] is None and isinstance(doc["seconds"], float)
 
 
 def test_the_judge_does_not_see_the_agent_packages_modules(tmp_path: Path) -> None:
@@ -304,19 +304,27 @@ def _console_script(bin_dir: Path, ran: Path) -> None:
     )
 
 
-def test_a_refusal_ends_the_container_with_vllms_words_and_the_engine_never_starts(
-    sim_env: dict[str, str], tmp_path: Path
-) -> None:
+def _launch(
+    sim_env: dict[str, str], tmp_path: Path, argv: list[str], *options: str
+) -> tuple[subprocess.CompletedProcess[bytes], Path, Path]:
+    """The launcher run on `vllm ARGV` whose engine only marks that it ran: (the run, the
+    engine's mark, the termination log)."""
     bin_dir, ran, tlog = tmp_path / "bin", tmp_path / "engine-ran", tmp_path / "tl"
     _console_script(bin_dir, ran)
-    argv = [*GOOD, "--max-model-len", "999999999"]
     proc = subprocess.run(
-        launcher_cmd(tlog, ["vllm", *argv]),
+        launcher_cmd(tlog, ["vllm", *argv], *options),
         env=_env(bin_dir, _standin_env(sim_env)),
         capture_output=True,
         timeout=120,
         check=False,
     )
+    return proc, ran, tlog
+
+
+def test_a_refusal_ends_the_container_with_vllms_words_and_the_engine_never_starts(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    proc, ran, tlog = _launch(sim_env, tmp_path, [*GOOD, "--max-model-len", "999999999"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert not ran.exists(), "the engine was started after vLLM refused its arguments"
     m = message(tlog)
@@ -326,15 +334,8 @@ def test_a_refusal_ends_the_container_with_vllms_words_and_the_engine_never_star
 
 
 def test_a_refusal_on_a_pod_of_a_group_says_its_place(sim_env: dict[str, str], tmp_path: Path) -> None:
-    bin_dir, ran, tlog = tmp_path / "bin", tmp_path / "engine-ran", tmp_path / "tl"
-    _console_script(bin_dir, ran)
-    argv = [*GOOD, "--nnodes", "2", "--node-rank", "1", "--headless", "--no-such-flag"]
-    proc = subprocess.run(
-        launcher_cmd(tlog, ["vllm", *argv]),
-        env=_env(bin_dir, _standin_env(sim_env)),
-        capture_output=True,
-        timeout=120,
-        check=False,
+    proc, ran, tlog = _launch(
+        sim_env, tmp_path, [*GOOD, "--nnodes", "2", "--node-rank", "1", "--headless", "--no-such-flag"]
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     m = message(tlog)
@@ -344,15 +345,7 @@ def test_a_refusal_on_a_pod_of_a_group_says_its_place(sim_env: dict[str, str], t
 
 
 def test_accepted_arguments_start_the_engine(sim_env: dict[str, str], tmp_path: Path) -> None:
-    bin_dir, ran, tlog = tmp_path / "bin", tmp_path / "engine-ran", tmp_path / "tl"
-    _console_script(bin_dir, ran)
-    proc = subprocess.run(
-        launcher_cmd(tlog, ["vllm", *GOOD]),
-        env=_env(bin_dir, _standin_env(sim_env)),
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
+    proc, ran, tlog = _launch(sim_env, tmp_path, [*GOOD])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ran.exists() and b"engine ran" in proc.stdout
     assert b"accepted the engine's arguments" in proc.stderr
@@ -362,12 +355,7 @@ def test_accepted_arguments_start_the_engine(sim_env: dict[str, str], tmp_path: 
 def test_judge_timeout_zero_starts_a_refusable_engine_unjudged(
     sim_env: dict[str, str], tmp_path: Path
 ) -> None:
-    bin_dir, ran, tlog = tmp_path / "bin", tmp_path / "engine-ran", tmp_path / "tl"
-    _console_script(bin_dir, ran)
-    cmd = launcher_cmd(tlog, ["vllm", *GOOD, "--no-such-flag"], "--judge-timeout", "0")
-    proc = subprocess.run(
-        cmd, env=_env(bin_dir, _standin_env(sim_env)), capture_output=True, timeout=120, check=False
-    )
+    proc, ran, _ = _launch(sim_env, tmp_path, [*GOOD, "--no-such-flag"], "--judge-timeout", "0")
     assert proc.returncode == 0 and ran.exists(), proc.stderr[-2000:]
 
 
