@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankguard_agent.constants import DEFAULT_TERMINATION_LOG, DRAIN_SECONDS
+from rankguard_agent.engine_metrics import engine_http
 from rankguard_agent.judge_run import (
     ACCEPTED,
     DEFAULT_JUDGE_TIMEOUT,
@@ -397,6 +398,7 @@ class Launcher:
         runtime.state.engine_version = installed_engine_version()
         place = self.place = _group_place(self.cfg.command, self.env, runtime.n_ranks())
         runtime.state.place = place
+        runtime.state.engine_http = engine_http(self.cfg.command, self.env, place)
         self.observer = Observer(
             runtime.state, WorkerRanks(parallel_sizes(self.cfg.command), runtime.n_ranks(), place)
         )

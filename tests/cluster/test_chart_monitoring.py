@@ -1,9 +1,11 @@
 """Monitoring and `helm test`, against the real prometheus-operator CRDs and a real API server.
 
 - the PrometheusRule carries files/alerts.yaml's groups unchanged (Prometheus' own {{ }}
-  templates included), the dashboard ConfigMap carries files/dashboard.json, the PodMonitor
-  selects what the operator really renders for a serving pod (`rankguard render`), the
-  NetworkPolicy lets Prometheus reach the agent port only when allowed; all off by default.
+  templates included), and files/capacity-rules.yaml's recording group after them with
+  metrics.prometheusRule.capacityRules (off by default, refused without the PrometheusRule),
+  the dashboard ConfigMap carries files/dashboard.json, the PodMonitor selects what the
+  operator really renders for a serving pod (`rankguard render`), the NetworkPolicy lets
+  Prometheus reach the agent port only when allowed; all off by default.
 - the API server, with prometheus-operator's own CRDs installed (from its Go module, the
   same way hack/testbin gets Kubernetes), accepts them, and refuses a broken PodMonitor.
 - the `helm test` pod passes on the operator's real /metrics and fails, saying why, on a
@@ -60,6 +62,8 @@ ALL_ON = [
     "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,metrics.dashboard.enabled=true",
     "--set",
     "agentPodMonitor.enabled=true,agentPodMonitor.labels.release=kps,metrics.prometheusRule.labels.release=kps",
+    "--set",
+    "metrics.prometheusRule.capacityRules=true",
 ]
 
 
@@ -109,8 +113,20 @@ def test_the_prometheus_rule_carries_files_alerts_yaml() -> None:
     assert rule["metadata"]["namespace"] == "ops"
     assert rule["metadata"]["labels"]["release"] == "kps"
     alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
-    assert set(alerts) == {"groups"}  # a Prometheus rules file, as promtool reads it
+    capacity = yaml.safe_load((CHART / "files" / "capacity-rules.yaml").read_text())
+    assert set(alerts) == set(capacity) == {"groups"}  # Prometheus rules files, as promtool reads them
+    assert rule["spec"] == {"groups": alerts["groups"] + capacity["groups"]}
+
+
+def test_the_capacity_rules_are_off_by_default_and_need_the_prometheus_rule() -> None:
+    (rule,) = by_kind(render("ops", "--set", "metrics.prometheusRule.enabled=true"), "PrometheusRule")
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
     assert rule["spec"] == {"groups": alerts["groups"]}
+    assert not any("record" in r for g in rule["spec"]["groups"] for r in g["rules"])
+    # Asked for without the PrometheusRule: refused, saying what to set (never silently nothing).
+    r = template("--set", "metrics.prometheusRule.capacityRules=true", check=False)
+    assert r.returncode != 0
+    assert "set metrics.prometheusRule.enabled=true too" in r.stderr, r.stderr
 
 
 def chart_with_alerts(tmp_path: Path, alerts: str) -> Path:

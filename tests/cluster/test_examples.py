@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from rankguard_sim.kube.cluster import ControlPlane
+from tests.cluster.example_files import documents, dry_run_lines
 
 pytestmark = pytest.mark.cluster
 
@@ -25,10 +25,6 @@ H100 = REPO / "examples" / "llama-3.3-70b-tp4-h100.yaml"
 # The selector docs/install.md and the H100 example give to apply the LLMService without the
 # placeholder Secret.
 WITHOUT_PLACEHOLDER = "rankguard.io/example-placeholder!=true"
-
-
-def documents(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
 def dry_run(cluster: ControlPlane, namespace: str, *args: str, input: str | None = None) -> Any:
@@ -47,10 +43,8 @@ def test_example_is_accepted_by_the_api_server(
     r = dry_run(cluster, namespace, "-f", str(path))
     assert r.returncode == 0, r.stderr
     # one "<kind>[.<group>]/<name> created (server dry run)" line per object in the file
-    for doc in documents(path):
-        group = doc["apiVersion"].rpartition("/")[0]
-        resource = doc["kind"].lower() + (f".{group}" if group else "")
-        assert f"{resource}/{doc['metadata']['name']} created (server dry run)" in r.stdout, r.stdout
+    for line in dry_run_lines(path, "created"):
+        assert line in r.stdout, r.stdout
 
 
 def test_h100_example_without_the_placeholder_secret_sends_only_the_llmservice(

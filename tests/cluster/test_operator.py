@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -37,7 +38,9 @@ from operator_world import (
 )
 from prometheus_client import REGISTRY
 
-from rankguard_agent.wire.report import MAX_REPORT_BYTES
+from rankguard_agent.wire.recognisers import KVObservation, recognise_all
+from rankguard_agent.wire.report import MAX_REPORT_BYTES, KVLine
+from rankguard_operator import vllm_snapshots
 from rankguard_operator.core.budget.bounds import prior_plan
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.names import DEFAULT_AGENT_IMAGE, FLAGS_ANNOTATION
@@ -183,6 +186,18 @@ def metric(name: str, **labels: str) -> float | None:
     return sum(found) if found else None
 
 
+def engine_kv_report(min_free: tuple[int, ...], *, tokens: int, concurrency: float) -> bytes:
+    """A report whose agent saw the engine print its KV size (vLLM 0.34's one line, rendered from
+    the recorded snapshot's template and read by the agent's own recogniser)."""
+    doc = json.loads(valid_report(min_free))
+    msg = vllm_snapshots.load("0.34.0").messages("kv_cache_size")[0]
+    line = str(msg["template"]) % ("GPU", f"{tokens:,}", f"{8192:,}", concurrency)
+    seen = [o for o in recognise_all(line) if isinstance(o, KVObservation)]
+    assert {o.kind for o in seen} == {"kv_cache_tokens", "max_concurrency"}, line
+    doc["kv_lines"] = [asdict(KVLine(o.kind, o.text, o.value, doc["timestamp"])) for o in seen]
+    return json.dumps(doc).encode()
+
+
 def columns(table: str) -> dict[str, str]:
     """The first row of a kubectl table, by header (cells may contain spaces: "rank 1")."""
     header, row = table.splitlines()[:2]
@@ -243,6 +258,48 @@ def test_kubectl_get_describe_and_metrics_show_the_same_figures(world: World, cl
         assert metric("rankguard_llmservice_phase", phase="Running", **labels) == 1
         assert metric("rankguard_llmservice_condition", condition="Ready", status="True", **labels) == 1
         assert metric("rankguard_operator_last_pass_timestamp_seconds", **labels) > 0
+
+        # status.capacity and its gauges: the plan's figure while no engine has said its own
+        # (these reports carry no KV lines), labelled with vLLM's model_name
+        capacity = status["capacity"]
+        assert capacity == {
+            "tokens": status["budget"]["tokens"],
+            "maxConcurrency": status["budget"]["maxConcurrency"],
+            "source": "planned",
+            "modelName": MODEL,
+        }
+        kv = {**labels, "model_name": MODEL}
+        assert metric("rankguard_llmservice_kv_capacity_tokens", **kv) == capacity["tokens"]
+        assert metric("rankguard_llmservice_kv_max_concurrency", **kv) == capacity["maxConcurrency"]
+        # then the engine's own "KV cache size" line, once its agent reports it
+        agent.serve(lambda: engine_kv_report((3 * GiB, 2 * GiB), tokens=123_456, concurrency=15.07))
+        engine = wait_for(
+            "the engine's capacity in status",
+            lambda: (c := world.status("svc").get("capacity") or {}).get("source") == "engine" and c,
+        )
+        assert engine == {"tokens": 123_456, "maxConcurrency": 15.07, "source": "engine", "modelName": MODEL}
+        wait_for(
+            "the engine's capacity in the metrics",
+            lambda: (
+                metric("rankguard_llmservice_kv_capacity_tokens", **kv) == 123_456
+                and metric("rankguard_llmservice_kv_max_concurrency", **kv) == 15.07
+            ),
+        )
+        # at 0 replicas no agent answers, and the capacity a scaler needs to scale up stays
+        world.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, world.ns, PLURAL, "svc", {"spec": {"replicas": 0}}, _content_type=MERGE
+        )
+        wait_for(
+            "the Deployment at 0 replicas and its pod going",
+            lambda: (
+                ((world.deployment("svc") or {}).get("spec") or {}).get("replicas") == 0
+                and all(p["metadata"].get("deletionTimestamp") for p in world.pods("svc"))
+            ),
+        )
+        agent.serve(b"{}", status=503)
+        world.let_the_loop_look("svc")
+        assert world.status("svc")["capacity"] == engine
+        assert metric("rankguard_llmservice_kv_capacity_tokens", **kv) == 123_456
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client, watch
+from prometheus_client.parser import text_string_to_metric_families
 
 from rankguard_operator.cli_render import shared_flags
 from rankguard_operator.core.names import GROUP_LABEL, LLMSERVICE_LABEL, ROLE_LABEL
@@ -115,6 +117,16 @@ def group_watch(api: client.ApiClient, e2e_namespace: str) -> Iterator[GroupWatc
         yield gw
 
 
+def agent_series(pod: client.V1Pod) -> dict[str, float]:
+    """The agent's /metrics in `pod` (its container port named "agent" on the pod's IP), one
+    value per series name (the capacity series have one sample each)."""
+    port = next(p.container_port for c in pod.spec.containers for p in c.ports or () if p.name == "agent")
+    url = f"http://{pod.status.pod_ip}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def _ready_groups(api: client.ApiClient, ns: str, budget: int | None = None) -> dict[str, Any] | None:
     return ready_groups(api, ns, NAME, groups=2, ranks=16, budget=budget)
 
@@ -179,6 +191,17 @@ def test_two_groups_of_two_pods_measured_remediated_restarted_and_rolled_as_grou
     assert all("-w-" in pods_of[r] for r in range(8, 16)) and all("-w-" not in pods_of[r] for r in range(8))
     out = cluster.kubectl("get", "llmservice", NAME, "-n", ns).stdout.splitlines()
     assert " 2/2 " in out[1] and f"on {st['bottleneckPod']}" in out[1], out
+
+    # 2b. Capacity for scalers and routers (issue 52): the engine's own KV size, exported once
+    # per group by the leader's agent (never by a worker's), and the scale subresource's status.
+    assert st["replicas"] == 2 and st["selector"].endswith(f"{ROLE_LABEL}=leader"), st
+    assert st["capacity"]["source"] == "engine", st["capacity"]
+    pods = serving_pods(api, ns)
+    leader, worker = pods[f"{NAME}-g0-0"], pods[f"{NAME}-g0-w-1"]
+    exported = agent_series(leader)
+    assert exported["rankguard_kv_capacity_tokens"] == st["capacity"]["tokens"], exported
+    assert 0 <= exported["rankguard_kv_free_tokens"] <= exported["rankguard_kv_capacity_tokens"]
+    assert not {"rankguard_kv_capacity_tokens", "rankguard_kv_free_tokens"} & set(agent_series(worker))
 
     # 3. A deleted pod starts its group again, as a whole, with the budget kept.
     before = {n: p.metadata.uid for n, p in serving_pods(api, ns).items()}

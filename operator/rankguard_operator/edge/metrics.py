@@ -192,6 +192,23 @@ class ServiceGauges(Collector):
             "does not fall. The MemoryCreep condition judges it; nothing is restarted for it",
             labels=labels,
         )
+        # labelled as vLLM's own series are (model_name), so PromQL divides vllm:* by these
+        kv_labels = [*labels, "model_name"]
+        capacity = GaugeMetricFamily(
+            "rankguard_llmservice_kv_capacity_tokens",
+            "Tokens of KV cache ONE replica holds, as vLLM counts them: the plan's figure for the "
+            "flags in effect until an engine running them reports its own 'KV cache size' (the "
+            "lowest over replicas), then that figure; kept at 0 replicas until the flags change "
+            "(status.capacity, its source says which)",
+            labels=kv_labels,
+        )
+        concurrency = GaugeMetricFamily(
+            "rankguard_llmservice_kv_max_concurrency",
+            "Requests of max-model-len tokens ONE replica's KV cache holds at once (vLLM's "
+            "'Maximum concurrency' figure: capacity over max-model-len), planned until an engine "
+            "reports, as rankguard_llmservice_kv_capacity_tokens",
+            labels=kv_labels,
+        )
         condition = GaugeMetricFamily(
             "rankguard_llmservice_condition",
             "Always 1, one series per condition type: its status and reason as labels",
@@ -210,11 +227,15 @@ class ServiceGauges(Collector):
                 trend.add_metric([ns, name], f.headroom_trend_bytes_per_hour)
             if f.headroom_exhaustion_hours is not None:
                 exhaustion.add_metric([ns, name], f.headroom_exhaustion_hours)
+            if f.kv_capacity_tokens is not None and f.model_name is not None:
+                capacity.add_metric([ns, name, f.model_name], f.kv_capacity_tokens)
+            if f.kv_max_concurrency is not None and f.model_name is not None:
+                concurrency.add_metric([ns, name, f.model_name], f.kv_max_concurrency)
             for p in PHASES:
                 phase.add_metric([ns, name, p], 1 if p == f.phase else 0)
             for type_, status, reason in f.conditions:
                 condition.add_metric([ns, name, type_, status, reason], 1)
-        yield from (budget, rank, least, target, trend, exhaustion, phase, condition)
+        yield from (budget, rank, least, target, trend, exhaustion, capacity, concurrency, phase, condition)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families are built at scrape time

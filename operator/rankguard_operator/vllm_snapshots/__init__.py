@@ -24,7 +24,12 @@ package (never typed by hand):
 - `arch_defaults.json`: per `model_type`, the defaults of the config fields rankguard reads
   that a multimodal `config.json` may leave out, from the config classes of the transformers
   vLLM ships with (or vLLM's own), with the transformers version and each class's name
-  (`hack/vllm-snapshot/arch_defaults.py`).
+  (`hack/vllm-snapshot/arch_defaults.py`);
+- `metrics.json` (0.33.0 on): the Prometheus metrics the engine serves (`PrometheusStatLogger`
+  in vllm/v1/metrics/loggers.py): name, type, help text, label names, the series names the
+  exposition carries, the file:line and, for one vLLM creates only under a setting, the
+  condition (`hack/vllm-snapshot/prom_metrics.py`; `prometheus_metrics(version)` reads it). The
+  chart's recording rules are checked against it.
 
 The operator uses them at run time (owned flags with all aliases, extraArgs validation), the
 simulated vLLM builds its parser from them, and the tests render real lines from them.
@@ -145,6 +150,23 @@ def load(version: str) -> Snapshot:
         read("surface.json"),
         read("arch_defaults.json"),
     )
+
+
+def metrics_versions() -> tuple[str, ...]:
+    """The recorded versions that have a metrics.json, oldest first."""
+    root = resources.files(__name__)
+    return tuple(v for v in versions() if (root / v / "metrics.json").is_file())
+
+
+@cache
+def prometheus_metrics(version: str) -> dict[str, dict[str, Any]]:
+    """metrics.json's metrics of one release: name -> {type, documentation, labels, samples,
+    file, line[, condition]}. Kept apart from `load` because older snapshots have none."""
+    if version not in metrics_versions():
+        raise SnapshotError(f"no metrics.json for vLLM {version}; recorded: {', '.join(metrics_versions())}")
+    doc = json.loads((resources.files(__name__) / version / "metrics.json").read_text(encoding="utf-8"))
+    found: dict[str, dict[str, Any]] = doc["metrics"]
+    return found
 
 
 def latest() -> Snapshot:

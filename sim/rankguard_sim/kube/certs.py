@@ -55,6 +55,7 @@ def _cert(
     *,
     ca: bool = False,
     server: bool = False,
+    dns_names: tuple[str, ...] = (),
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     b = (
@@ -85,6 +86,7 @@ def _cert(
                     x509.DNSName("kubernetes.default.svc.cluster.local"),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                     x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+                    *(x509.DNSName(n) for n in dns_names),
                 ]
             ),
             critical=False,
@@ -133,14 +135,16 @@ def make_pki(folder: Path) -> Pki:
     return p
 
 
-def make_self_signed(folder: Path, cn: str) -> tuple[Path, Path]:
+def make_self_signed(folder: Path, cn: str, dns_names: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """A self-signed serving certificate for 127.0.0.1 (and localhost), written as `tls.crt`
     and `tls.key` in `folder` (the names controller-runtime's webhook server reads): a webhook
-    that the API server reaches by `url`, its configuration's caBundle being the cert itself."""
+    that the API server reaches by `url`, its configuration's caBundle being the cert itself.
+    `dns_names` adds names to it, such as the `<service>.<namespace>.svc` by which the API
+    server's aggregator checks an APIService's backend (external_metrics.py)."""
     folder.mkdir(parents=True, exist_ok=True)
     key = _key()
     name = _name(cn)
     crt, key_path = folder / "tls.crt", folder / "tls.key"
     _write_key(key, key_path)
-    _write_cert(_cert(name, key, name, key, server=True), crt)
+    _write_cert(_cert(name, key, name, key, server=True, dns_names=dns_names), crt)
     return crt, key_path

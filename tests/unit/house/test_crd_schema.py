@@ -62,7 +62,7 @@ def test_names_group_version_and_subresources() -> None:
     assert spec["names"]["shortNames"] == ["llmsvc"]
     assert [v["name"] for v in spec["versions"]] == ["v1alpha1"]
     assert VERSION["served"] and VERSION["storage"]
-    assert VERSION["subresources"] == {"status": {}}
+    assert set(VERSION["subresources"]) == {"status", "scale"}  # scale: tests/unit/core/status/test_scale.py
 
 
 def test_printer_columns_in_the_documented_order() -> None:

@@ -5,6 +5,7 @@ that has it. The flags are found in the committed cli.json files, never named he
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from importlib import resources
@@ -227,3 +228,19 @@ def test_the_cpu_build_records_which_cuda_backends_import_and_its_own() -> None:
     own = cpu["cpu_attention"]
     assert own["default_block_size"] in own["block_sizes"]
     assert "cpu_attention" not in gpu and "attention_backends_absent" not in gpu
+
+
+def test_the_metrics_each_release_serves_are_read_from_its_own_record() -> None:
+    """metrics.json (hack/vllm-snapshot/prom_metrics.py) from 0.33.0 on: a release without one
+    says so, rather than lending another release's names."""
+    assert {STRICT, MEASURED} <= set(vllm_snapshots.metrics_versions())
+    for version in (STRICT, MEASURED):
+        doc = json.loads((resources.files(vllm_snapshots) / version / "metrics.json").read_text())
+        assert doc["vllm_version"] == version
+        served = vllm_snapshots.prometheus_metrics(version)
+        assert served == doc["metrics"]
+        for name, metric in served.items():
+            assert name.startswith("vllm:") and metric["type"] in ("gauge", "counter", "histogram")
+            assert metric["file"] == "vllm/v1/metrics/loggers.py" and metric["line"] > 0
+    with pytest.raises(vllm_snapshots.SnapshotError, match=r"no metrics\.json for vLLM 0\.30\.0"):
+        vllm_snapshots.prometheus_metrics(OLDEST)

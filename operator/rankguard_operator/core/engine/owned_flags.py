@@ -179,3 +179,15 @@ def chunked_prefill_off(extra_args: Sequence[str], cli: VllmCli) -> bool:
         if word.option is not None and word.option.dest == "enable_chunked_prefill":
             off = word.turns_off  # argparse keeps the last
     return off
+
+
+def served_model_name(extra_args: Sequence[str], cli: VllmCli) -> str | None:
+    """The name vLLM serves the model under and puts in its metrics' `model_name` label: the
+    first value of the last `--served-model-name` in extraArgs (argparse keeps the last; vLLM's
+    config/model.py get_served_model_name takes the first of the list), or None (then the model's
+    own name is used)."""
+    name: str | None = None
+    for _, word in cli.walk(extra_args)[0]:
+        if word.option is not None and word.option.dest == "served_model_name":
+            name = word.values[0] if word.values else None
+    return name or None

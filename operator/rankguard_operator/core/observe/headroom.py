@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rankguard_agent.wire.recognisers import AVAILABLE_KV
+from rankguard_agent.wire.recognisers import AVAILABLE_KV, KV_TOKENS, MAX_CONCURRENCY
 from rankguard_agent.wire.report import EngineMemory, Report
 from rankguard_operator.core.budget.planner import RankMeasurement
 
@@ -104,6 +104,10 @@ class Observation:
     measurements: tuple[RankMeasurement, ...] = ()
     # vLLM's "Available KV cache memory" as printed by the engines (lowest over fresh pods)
     kv_cache_bytes: int | None = None
+    # vLLM's "KV cache size: N tokens" and "Maximum concurrency ...: Xx" (lowest over fresh pods):
+    # what one replica holds as the engine counts it (core/status/capacity)
+    kv_cache_tokens: int | None = None
+    kv_max_concurrency: float | None = None
     # the vLLM version the agents report (package metadata in the serving image), if any
     engine_version: str | None = None
     # engine lines the agents saw but could not read, by kind, summed over fresh pods
@@ -173,6 +177,8 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
         stale_pods=tuple(pod for pod, _report, why in read if why is not None),
         measurements=_probe_measurements(fresh),
         kv_cache_bytes=_lowest_kv_cache(fresh),
+        kv_cache_tokens=_int_or_none(_lowest_kv_line(fresh, KV_TOKENS)),
+        kv_max_concurrency=_lowest_kv_line(fresh, MAX_CONCURRENCY),
         # pods of one template run one image: the lowest version reported, for determinism
         engine_version=min(versions) if versions else None,
         unparsed_lines=_unparsed_lines(fresh),
@@ -246,6 +252,17 @@ def _lowest_kv_cache(fresh: Sequence[Report]) -> int | None:
         int(line.value) for r in fresh for line in r.kv_lines if line.kind == AVAILABLE_KV and line.value > 0
     ]
     return min(seen) if seen else None
+
+
+def _lowest_kv_line(fresh: Sequence[Report], kind: str) -> float | None:
+    """One engine figure of `kind` as the engines printed it: the lowest over fresh pods (the
+    replica that holds least is the one a request may land on)."""
+    seen = [line.value for r in fresh for line in r.kv_lines if line.kind == kind and line.value > 0]
+    return min(seen) if seen else None
+
+
+def _int_or_none(v: float | None) -> int | None:
+    return None if v is None else int(v)
 
 
 def _unparsed_lines(fresh: Sequence[Report]) -> dict[str, int]:

@@ -138,10 +138,24 @@ def render_deployment(
     return deployment
 
 
+def serving_selector(name: str, *, multi_node: bool) -> dict[str, str]:
+    """The labels of the pods that serve the service's HTTP: every pod of a one-pod-per-replica
+    service; a multi-node service's groups' leaders only (the workers serve no HTTP). Its
+    Service selects them, and status.selector (the scale subresource's) names them."""
+    return {**selector(name), ROLE_LABEL: "leader"} if multi_node else selector(name)
+
+
+def selector_text(match: Mapping[str, str]) -> str:
+    """A label selector as Kubernetes writes one in a string (`k1=v1,k2=v2`, keys sorted, as
+    labels.SelectorFromSet(...).String() does): the scale subresource's status.selector, which
+    an HPA parses to find the pods. Label keys and values never hold `,` or `=`."""
+    return ",".join(f"{k}={v}" for k, v in sorted(match.items()))
+
+
 def render_service(name: str, namespace: str, owner_uid: str, spec: ServiceSpec) -> dict[str, Any]:
     """ClusterIP Service for vLLM's OpenAI API (port 8000) and the agent's endpoints. A
     multi-node service's requests go to its groups' leaders only (the workers serve no HTTP)."""
-    pick = selector(name) if spec.distributed is None else {**selector(name), ROLE_LABEL: "leader"}
+    pick = serving_selector(name, multi_node=spec.distributed is not None)
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -27,6 +27,7 @@ from rankguard_operator.core.engine.owned_flags import (
     check_extra_args,
     check_group_args,
     chunked_prefill_off,
+    served_model_name,
 )
 from rankguard_operator.core.engine.rules import rules_for_image
 from rankguard_operator.core.engine.surface import block_size_problem, check_host_memory, check_surface
@@ -97,6 +98,8 @@ class EngineSpec:
     # chunked prefill turned off (then max_num_batched_tokens stays >= max_model_len)
     capture_sizes_flag: str | None = None
     chunked_prefill_off: bool = False
+    # extraArgs' --served-model-name (its first value): the `model_name` label of vLLM's metrics
+    served_model_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ServiceSpec:
         engine,
         capture_sizes_flag=capture_sizes_flag(engine.extra_args, cli),
         chunked_prefill_off=chunked_prefill_off(engine.extra_args, cli),
+        served_model_name=served_model_name(engine.extra_args, cli),
     )
     cache = parse_model_cache(spec)
     template = parse_template(spec.get("template"), cache.mount_path if cache is not None else None)

@@ -26,6 +26,7 @@ from rankguard_operator.core.policy import Decision
 from rankguard_operator.core.policy.history import Remediation, history_from_status
 from rankguard_operator.core.render.pod import vllm_args
 from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.capacity import capacity_status
 from rankguard_operator.core.status.creep import memory_creep_condition
 from rankguard_operator.core.status.groups import GroupFigure, bounded_rank_lines
 from rankguard_operator.core.units import format_bytes
@@ -369,6 +370,7 @@ def build_status(
     blocker: tuple[str, str] | None = None,
     memory_trend: MemoryTrend | None = None,
     groups: Sequence[GroupFigure] | None = None,
+    budget_key: str | None = None,
 ) -> dict[str, Any]:
     """Every status field rankguard owns, rebuilt from this pass's inputs. Feed it with the old
     status to `status_patch`: fields set to None here are removed, other fields are kept.
@@ -376,7 +378,8 @@ def build_status(
     (core/observe/blockers), Degraded while it lasts unless this pass's decision says more.
     `memory_trend`: the tightest rank's headroom over hours (core/observe/memory_trend), shown
     as `status.memoryTrend` and the MemoryCreep condition. `groups`: a multi-node service's
-    per-group figures (core/status/groups), None for one pod per replica."""
+    per-group figures (core/status/groups), None for one pod per replica. `budget_key`: this
+    pass's (bounds.budget_key): an engine's capacity figure is kept while it is unchanged."""
     parsed = history_from_status(list(history))
     last = parsed[-1] if parsed else None
     conditions = _conditions(
@@ -408,6 +411,7 @@ def build_status(
         "perGroup": None if groups is None else [g.line(spec.tp) for g in groups] or None,
         **summary_fields(observation, flags, ready_replicas, spec.replicas, spec),
         "budget": budget_status(plan, flags, spec, last_remediation=last) or None,
+        "capacity": capacity_status(plan, flags, spec, observation, old=old, budget_key=budget_key),
         "lastKnownGood": last_known_good_status(last_known_good, spec, prior),
         "remediations": [dict(h) for h in history][-HISTORY_LIMIT:],
         "memoryTrend": None

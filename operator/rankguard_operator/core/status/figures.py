@@ -17,6 +17,7 @@ from typing import Any
 from rankguard_operator.core.conditions import Condition, Phase
 from rankguard_operator.core.observe.pods import CUDA_OOM, OOM_KILLED, Termination
 from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.capacity import model_name
 
 # A run that ran out of memory (the GPU's, the container's): rankguard_operator_ooms_observed_total.
 # Not KVCacheTooSmall: that is vLLM refusing to start, before any memory ran out.
@@ -48,6 +49,11 @@ class Figures:
     # slope (None while not falling; 0 once there)
     headroom_trend_bytes_per_hour: int | None = None
     headroom_exhaustion_hours: float | None = None
+    # status.capacity (core/status/capacity): the KV tokens one replica holds, the requests of
+    # max_model_len it serves at once, and the `model_name` label vLLM's own metrics carry
+    kv_capacity_tokens: int | None = None
+    kv_max_concurrency: float | None = None
+    model_name: str | None = None
 
     @property
     def min_headroom_bytes(self) -> int | None:
@@ -56,6 +62,10 @@ class Figures:
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
@@ -77,6 +87,9 @@ def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
         for c in status.get("conditions") or []
         if isinstance(c, Mapping) and c.get("type")
     )
+    capacity = status.get("capacity")
+    capacity = capacity if isinstance(capacity, Mapping) else {}
+    name = capacity.get("modelName")
     return Figures(
         phase=str(status.get("phase") or Phase.PENDING.value),
         kv_budget_bytes=_int(budget.get("kvCacheMemoryBytes")),
@@ -87,6 +100,9 @@ def figures(status: Mapping[str, Any], spec: ServiceSpec | None) -> Figures:
         headroom_exhaustion_hours=float(hours)
         if isinstance(hours, (int, float)) and not isinstance(hours, bool) and hours >= 0
         else None,
+        kv_capacity_tokens=_int(capacity.get("tokens")),
+        kv_max_concurrency=_number(capacity.get("maxConcurrency")),
+        model_name=name if isinstance(name, str) and name else None if spec is None else model_name(spec),
     )
 
 

@@ -31,6 +31,7 @@ from rankguard_operator.core.observe.pods import RolloutState, deployment_templa
 from rankguard_operator.core.render.deployment import render_service
 from rankguard_operator.core.render.group import render_group_service
 from rankguard_operator.core.spec.parse import ServiceSpec
+from rankguard_operator.core.status.scale import scaled_only
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import group_roll
 from rankguard_operator.core.step.rendering import Live, Renderer, apply
@@ -48,6 +49,8 @@ class Kept:
     members: dict[str, Any] | None = None  # status.groups, when multi-node
     workload_hash: str | None = None  # status.workloadHash, when a LeaderWorkerSet was applied
     forget_workload: bool = False  # status.workloadHash cleared: the LeaderWorkerSet is gone
+    # the pass changes the template (False), only the count of replicas (True: a scale), or neither
+    scaling: bool | None = None
 
 
 def shape(spec: ServiceSpec) -> str:
@@ -77,7 +80,12 @@ def keep(
 ) -> Kept:
     spec = renderer.spec
     want = renderer.render(current)
-    spec_changed = first_pass or world.generation != state.observed_generation
+    scaling = _scaling(live.deployment, want, groups, spec.replicas)
+    # a scale (spec.replicas alone: core/status/scale) changes nothing the Service is made of
+    spec_changed = first_pass or (
+        world.generation != state.observed_generation
+        and not scaled_only(state.raw, world.generation, world.spec)
+    )
     # a new service has no old shape; an edited one may have had one
     effects: list[Effect] = _old_shape(world, shape(spec), edited=spec_changed and not first_pass)
     if not same_template(live.deployment, want, spec.replicas):
@@ -94,7 +102,26 @@ def keep(
     rollout = rollout_state(live.deployment, deployment_template_hash(want) or "")
     # a LeaderWorkerSet recorded but no longer wanted, and gone: nothing left to look for
     forget = shape(spec) != LWS and world.leader_worker_set is None and bool(state.raw.get("workloadHash"))
-    return Kept(live, tuple(effects), rollout, members, workload_hash, forget)
+    return Kept(live, tuple(effects), rollout, members, workload_hash, forget, scaling)
+
+
+def _scaling(
+    live: Mapping[str, Any] | None, want: Mapping[str, Any], groups: Groups | None, replicas: int
+) -> bool | None:
+    """Whether the pass's render moves the workload's template (False), only its count of
+    replicas (True: a scaler's change, or a count changed by hand and put back), or neither
+    (None). A multi-node service's count is its groups, each group's template its own."""
+    digest = deployment_template_hash(want)
+    if groups is not None:
+        hashes = {g.template_hash for g in groups.by_index.values()} - {None}
+        if hashes != {digest}:
+            return False  # another template, or none yet: a roll or the first start
+        return True if set(groups.by_index) != set(range(replicas)) else None
+    if live is None:
+        return False
+    if deployment_template_hash(live) != digest:
+        return False
+    return True if (live.get("spec") or {}).get("replicas") != replicas else None
 
 
 def _ours(obj: Mapping[str, Any] | None, uid: str) -> bool:
@@ -131,10 +158,13 @@ def _roll_groups(
     lws = want.get("leaderWorkerSet")
     if lws is not None:
         # LWS's controller rolls and restarts the groups; rankguard applies when its render
-        # changed, for a remediation, and when the edge saw none (deleted by hand, or not created)
+        # changed, for a remediation, when the edge saw none (deleted by hand, or not created),
+        # and when its count of groups is not the spec's (a scale, which the hash leaves out)
         digest = deployment_template_hash(want)
         gone = world.leader_worker_set is None
-        if state.raw.get("workloadHash") != digest or live.roll_annotations or gone:
+        count = ((world.leader_worker_set or {}).get("spec") or {}).get("replicas")
+        rescaled = not gone and count != (lws.get("spec") or {}).get("replicas")
+        if state.raw.get("workloadHash") != digest or live.roll_annotations or gone or rescaled:
             return [ApplyObject(lws)], None, digest
         return [], None, None
     recorded = state.raw.get("groups")

@@ -45,6 +45,7 @@ from rankguard_operator.core.observe.groups import Groups, group_view, live_grou
 from rankguard_operator.core.observe.pods import deployment_template_hash
 from rankguard_operator.core.spec.fields import SpecError
 from rankguard_operator.core.spec.parse import ServiceSpec, parse_spec
+from rankguard_operator.core.status.scale import scaled_only
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.status.sizing import sizing_status
 from rankguard_operator.core.step import surroundings
@@ -118,7 +119,11 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
     first_pass = not state.service_applied
     effects: list[Effect] = list(
         surroundings.claim_effects(
-            world, spec, first_pass=first_pass, observed_generation=state.observed_generation
+            world,
+            spec,
+            first_pass=first_pass,
+            observed_generation=state.observed_generation,
+            scaled=scaled_only(state.raw, world.generation, world.spec),
         )
     )
     _, startup_free, external_weights = state.kept_engine(known.key)
@@ -193,6 +198,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         rollout=kept.rollout,
         deployment=kept.live.deployment,
         new_revision=acted.new_revision,
+        scaling=kept.scaling,
         updates=_updates(done, sized, acted, kept) | _node_gpu(state, known),
         members=kept.members,
         groups=workload.groups,

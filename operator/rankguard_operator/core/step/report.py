@@ -13,7 +13,7 @@ from typing import Any
 
 from rankguard_operator.core import policy
 from rankguard_operator.core.budget.planner import Plan
-from rankguard_operator.core.conditions import Condition, set_condition
+from rankguard_operator.core.conditions import Condition, condition, set_condition
 from rankguard_operator.core.effects import Effect, PostEvent, WriteStatus
 from rankguard_operator.core.engine.serving_flags import ServingFlags
 from rankguard_operator.core.model.resolve import LearnedModel, ModelResolution, model_event
@@ -27,6 +27,7 @@ from rankguard_operator.core.status.engine import EngineView, engine_status, wit
 from rankguard_operator.core.status.groups import group_figures
 from rankguard_operator.core.status.hold import hold
 from rankguard_operator.core.status.patch import merged_status, status_patch
+from rankguard_operator.core.status.scale import as_of_scale, scale_status, scaled_only, spec_key
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import surroundings
 from rankguard_operator.core.step.observed import Observed
@@ -56,6 +57,7 @@ class Findings:
     updates: Mapping[str, Any]  # status fields set by the stages (gpuMemoryBytes, workloadHash, ...)
     members: Mapping[str, Any] | None = None  # status.groups, when multi-node
     groups: Groups | None = None  # a multi-node service's groups as seen this pass (status.groupFigures)
+    scaling: bool | None = None  # the pass moves the template (False), only the replicas (True), or neither
 
 
 def report(
@@ -137,8 +139,10 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         observation=seen.observation,
         terminations=seen.terminations,
     )
+    # a scale (spec.replicas alone) is no edit: what was said of the spec before holds after it
+    scaled = scaled_only(state.raw, world.generation, world.spec)
     status = build_status(
-        old=state.raw,
+        old=as_of_scale(state.raw, world.generation) if scaled else state.raw,
         spec=spec,
         generation=world.generation,
         now_iso=now,
@@ -156,7 +160,9 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         groups=None
         if spec.distributed is None
         else group_figures(found.groups, seen.reports, seen.observation, spec.replicas),
+        budget_key=found.key,
     )
+    status["conditions"] = _scaling(status["conditions"], state, world, found, ready)
     status.update(found.updates)
     if found.members is not None:
         status["groups"] = dict(found.members)
@@ -165,12 +171,17 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         conditions, Condition.MODEL_RESOLVED, *found.model.condition(), now, world.generation
     )
     status["model"] = found.model.to_status(found.learned)
+    # the workload as the pass leaves it: a scaler sees the replicas it asked for once they exist
+    status.update(
+        scale_status(world.name, multi_node=spec.distributed is not None, workload=found.deployment)
+    )
     low, ample = _clocks(found)
     status.update(
         {
             "servingFlags": found.current.to_status(),
             "engine": engine_status(found.engine, found.key),
             "budgetKey": found.key,
+            "specKey": spec_key(world.spec),
             "handledTerminations": list(found.handled),
             "lowHeadroomSince": iso_or_none(low),
             "ampleHeadroomSince": iso_or_none(ample),
@@ -181,3 +192,24 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         }
     )
     return status
+
+
+def _scaling(
+    conditions: list[dict[str, Any]], state: ServiceState, world: World, found: Findings, ready: int
+) -> list[dict[str, Any]]:
+    """Progressing says `Scaling`, not `RollingOut`, while the workload only moves its count of
+    replicas (a scaler's change): from the pass that applies the count to the template that
+    already ran, until the rollout completes, unless a roll comes in between. A scale in the
+    middle of a roll leaves it a roll."""
+    now = condition(conditions, Condition.PROGRESSING) or {}
+    if now.get("status") != "True" or found.new_revision or found.scaling is False:
+        return conditions
+    was = condition(list(state.raw.get("conditions") or []), Condition.PROGRESSING) or {}
+    rolling = was.get("status") == "True" and was.get("reason") != "Scaling"
+    if rolling or (found.scaling is None and was.get("reason") != "Scaling"):
+        return conditions
+    unit = "replicas" if found.spec.distributed is None else "groups"
+    message = f"scaling to {found.spec.replicas} {unit}, the pods' template unchanged: {ready} ready"
+    return set_condition(
+        conditions, Condition.PROGRESSING, "True", "Scaling", message, iso(world.now), world.generation
+    )

@@ -11,6 +11,11 @@ Once the spec is fixed, the next pass renders again with spec.replicas (the
 Deployment's replicas differ from the render: `same_template` is False and it is applied; a
 group scaled to zero and empty is started again by core/step/group_roll).
 
+A scaler (`kubectl scale`, an HPA or KEDA through the scale subresource) that moves
+spec.replicas meanwhile moves nothing: the workload stays at zero while the spec is refused, its
+pods would crash as the others did, and status.replicas says 0. The count it asked for is in the
+spec, and the fixed spec's render comes back with it.
+
 The scaled object is the live one as rankguard applied it (same template, so no rollout), with
 `spec.replicas` 0: the spec may not parse, so there is nothing to render from.
 

@@ -33,17 +33,23 @@ from rankguard_operator.core.step.world import World
 
 
 def claim_effects(
-    world: World, spec: ServiceSpec, *, first_pass: bool, observed_generation: int | None
+    world: World,
+    spec: ServiceSpec,
+    *,
+    first_pass: bool,
+    observed_generation: int | None,
+    scaled: bool = False,
 ) -> list[ApplyClaim]:
     """Apply the claim rankguard creates when it is missing, on the first pass and after every
-    generation (as the Service is), before the Deployment needs it."""
+    edit of the spec (as the Service is), before the Deployment needs it. `scaled`: this
+    generation changed spec.replicas alone (core/status/scale), which is no edit."""
     body = model_cache.claim_to_apply(
         spec,
         world.name,
         world.namespace,
         world.uid,
         world.cache_claim,
-        spec_changed=first_pass or world.generation != observed_generation,
+        spec_changed=first_pass or (world.generation != observed_generation and not scaled),
     )
     return [] if body is None else [ApplyClaim(body)]
 

@@ -109,3 +109,25 @@ def test_a_deleted_service_leaves_no_series() -> None:
     assert 'llmservice="gone"' not in text
     assert samples("rankguard_llmservice_phase", llmservice="kept", phase="Degraded")
     forget_service("ns-a", "kept")
+
+
+def test_the_capacity_is_exported_with_vllms_model_name_label() -> None:
+    capacity = {"tokens": 398_000, "maxConcurrency": 48.58, "source": "engine", "modelName": "llama"}
+    f = figures(status(capacity=capacity), PARSED)
+    assert (f.kv_capacity_tokens, f.kv_max_concurrency, f.model_name) == (398_000, 48.58, "llama")
+    SERVICE_GAUGES.set("ns-c", "cap", f)
+    SERVICE_GAUGES.set("ns-c", "unknown", figures(status(), PARSED))
+    try:
+        labels = (("llmservice", "cap"), ("model_name", "llama"), ("namespace", "ns-c"))
+        assert samples("rankguard_llmservice_kv_capacity_tokens", namespace="ns-c") == {labels: 398_000.0}
+        assert samples("rankguard_llmservice_kv_max_concurrency", namespace="ns-c") == {labels: 48.58}
+    finally:
+        forget_service("ns-c", "cap")
+        forget_service("ns-c", "unknown")
+    assert not samples("rankguard_llmservice_kv_capacity_tokens", namespace="ns-c")
+
+
+def test_without_a_capacity_the_model_name_is_the_specs() -> None:
+    f = figures(status(), PARSED)
+    assert (f.kv_capacity_tokens, f.kv_max_concurrency) == (None, None)
+    assert f.model_name == PARSED.model.name
