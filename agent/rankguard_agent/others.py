@@ -28,8 +28,9 @@ list cannot be read, since the pod's own memory would then count as someone else
 
 The memory reading and the process list are two calls: an engine that allocates between them
 shows up for one tick as memory no process accounts for. So a rank reports the lesser of its
-last two ticks (and the processes of that tick): a neighbour's memory has to be there for two
-samples to count, and `others_peak_bytes` is never raised by a race.
+last two ticks (and the processes of that tick, or of the newer one when it lists none): a
+neighbour's memory has to be there for two samples to count, and `others_peak_bytes` is never
+raised by a race.
 """
 
 from __future__ import annotations
@@ -161,7 +162,12 @@ class OthersTrack:
             # Unknown until two readings in a row say it; the names may still be shown.
             self.shown = OthersTick(None, tick.top)
             return
-        self.shown = tick if tick.bytes <= last.bytes else last
+        lesser = tick if tick.bytes <= last.bytes else last
+        # A process that appears between a tick's list and its reading counts that tick only as
+        # memory no process accounts for (unnamed); while it keeps growing, that older tick is
+        # the lesser one, and the newer tick names it. (A process gone since leaves the newer
+        # tick the lesser one, with no name to borrow.)
+        self.shown = OthersTick(lesser.bytes, lesser.top or tick.top)
         shown = self.shown.bytes
         if shown is not None and (self.peak is None or shown > self.peak):
             self.peak = shown

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,10 +42,12 @@ from rankguard_sim.kube.cluster import ControlPlane, free_port
 from rankguard_sim.kube.external_metrics import ExternalMetricsApi
 from rankguard_sim.vllm_snapshot import message
 from rankguard_sim.waiting import wait_for
+from tests.cluster.example_files import documents
 
 pytestmark = pytest.mark.cluster
 
 DEMAND = "rankguard:llmservice_demand_replicas"
+HPA_EXAMPLE = Path(__file__).parents[2] / "examples" / "autoscaling" / "hpa-external-metric.yaml"
 MAX_MODEL_LEN = 8192  # service_doc's engine.maxModelLen
 ENGINE_TOKENS = 1_050_000  # what "the engine" logs as its KV cache size (the plan says 1,058,048)
 # The controller-manager's HPA looks every 2s (cluster.py), the operator every 0.5s; a loaded
@@ -79,28 +82,17 @@ def engine_report(tokens: int) -> bytes:
     return Report(version=1, agent_version="0.1.0", timestamp=now, ranks=ranks, kv_lines=[line]).to_json()
 
 
-def hpa_doc(name: str, target: str, average: str) -> dict[str, Any]:
-    """An autoscaling/v2 HPA on the LLMService itself, scaling on the demand in replica
-    equivalents: desired replicas = ceil(demand / average)."""
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": name},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LLMService", "name": target},
-            "minReplicas": 1,
-            "maxReplicas": 3,
-            "metrics": [
-                {
-                    "type": "External",
-                    "external": {
-                        "metric": {"name": DEMAND, "selector": {"matchLabels": {"llmservice": target}}},
-                        "target": {"type": "AverageValue", "averageValue": average},
-                    },
-                }
-            ],
-        },
-    }
+def hpa_doc(target: str) -> dict[str, Any]:
+    """The HPA a platform engineer applies (examples/autoscaling/hpa-external-metric.yaml: an
+    autoscaling/v2 HPA on the LLMService itself, External metric, AverageValue 800m, so desired
+    replicas = ceil(demand / 0.8)), pointed at `target`."""
+    [doc] = [d for d in documents(HPA_EXAMPLE) if d["kind"] == "HorizontalPodAutoscaler"]
+    doc["metadata"]["name"] = target
+    doc["spec"]["scaleTargetRef"]["name"] = target
+    [metric] = doc["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == DEMAND, metric
+    metric["external"]["metric"]["selector"] = {"matchLabels": {"llmservice": target}}
+    return doc
 
 
 def capacity_metric(ns: str, name: str) -> float | None:
@@ -156,10 +148,10 @@ def test_the_hpa_controller_scales_an_llmservice_on_an_external_metric(
         assert status["capacity"]["tokens"] == ENGINE_TOKENS, status["capacity"]
         assert capacity_metric(ns, "svc") == ENGINE_TOKENS
 
-        # The demand: 1.5 replicas' worth of KV in use and queued; at most 1 per replica, so 2.
+        # The demand: 1.5 replicas' worth of KV in use and queued; 0.8 per replica, so ceil(1.875) = 2.
         metrics_api.values.set_value(ns, DEMAND, 1.5, {"namespace": ns, "llmservice": "svc"})
         metrics_api.values.set_value(ns, DEMAND, 9.0, {"namespace": ns, "llmservice": "another"})  # not ours
-        hpas.create_namespaced_horizontal_pod_autoscaler(ns, hpa_doc("svc", "svc", average="1"))
+        hpas.create_namespaced_horizontal_pod_autoscaler(ns, hpa_doc("svc"))
 
         # Each link, in order: the HPA read the scale subresource, then the metric, then scaled.
         for condition in ("AbleToScale", "ScalingActive"):

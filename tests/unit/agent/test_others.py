@@ -164,3 +164,18 @@ def test_a_one_tick_blip_never_counts_and_the_peak_keeps_the_most() -> None:
     assert (track.shown.bytes, track.peak) == (GIB, 8 * GIB)
     track.push(OthersTick(None, (OtherProcess(5, "x", 1),)))
     assert track.shown == OthersTick(None, (OtherProcess(5, "x", 1),)) and track.peak == 8 * GIB
+
+
+def test_a_growing_neighbour_first_seen_unnamed_is_named_from_the_next_tick() -> None:
+    """A process that starts between a tick's list and its reading is memory no listed process
+    accounts for that tick; while it keeps growing that tick is the lesser one, and its name
+    comes from the next tick's list (the Event names the neighbour by pid)."""
+    neighbour = OtherProcess(4242, "python3", 5 * GIB)
+    track = OthersTrack()
+    track.push(OthersTick(0))
+    track.push(OthersTick(4 * GIB))  # listed before it started, read after: unnamed
+    track.push(OthersTick(5 * GIB, (neighbour,)))  # listed now, and still growing
+    assert track.shown == OthersTick(4 * GIB, (neighbour,))
+    # gone: the newer tick is the lesser one and has no name to borrow from the older
+    track.push(OthersTick(0))
+    assert track.shown == OthersTick(0)
