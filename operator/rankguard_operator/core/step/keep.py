@@ -31,7 +31,6 @@ from rankguard_operator.core.observe.pods import RolloutState, deployment_templa
 from rankguard_operator.core.render.deployment import render_service
 from rankguard_operator.core.render.group import render_group_service
 from rankguard_operator.core.spec.parse import ServiceSpec
-from rankguard_operator.core.status.scale import scaled_only
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import group_roll
 from rankguard_operator.core.step.rendering import Live, Renderer, apply
@@ -77,15 +76,14 @@ def keep(
     live: Live,
     groups: Groups | None,
     first_pass: bool,
+    scaled: bool,
 ) -> Kept:
+    """`scaled`: this generation changed spec.replicas alone (core/status/scale.scaled_only)."""
     spec = renderer.spec
     want = renderer.render(current)
     scaling = _scaling(live.deployment, want, groups, spec.replicas)
     # a scale (spec.replicas alone: core/status/scale) changes nothing the Service is made of
-    spec_changed = first_pass or (
-        world.generation != state.observed_generation
-        and not scaled_only(state.raw, world.generation, world.spec)
-    )
+    spec_changed = first_pass or (world.generation != state.observed_generation and not scaled)
     # a new service has no old shape; an edited one may have had one
     effects: list[Effect] = _old_shape(world, shape(spec), edited=spec_changed and not first_pass)
     if not same_template(live.deployment, want, spec.replicas):

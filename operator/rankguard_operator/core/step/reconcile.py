@@ -117,13 +117,15 @@ def _workload(world: World, spec: ServiceSpec) -> _Workload:
 
 def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceSpec, known: Known) -> Step:
     first_pass = not state.service_applied
+    # this generation changed spec.replicas alone (core/status/scale): a scale, no edit
+    scaled = scaled_only(state.raw, world.generation, world.spec)
     effects: list[Effect] = list(
         surroundings.claim_effects(
             world,
             spec,
             first_pass=first_pass,
             observed_generation=state.observed_generation,
-            scaled=scaled_only(state.raw, world.generation, world.spec),
+            scaled=scaled,
         )
     )
     _, startup_free, external_weights = state.kept_engine(known.key)
@@ -178,6 +180,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         live=acted.live,
         groups=workload.groups,
         first_pass=first_pass,
+        scaled=scaled,
     )
     effects += kept.effects
     # the status as stored at this point of the pass: the intent written changes it
@@ -199,6 +202,7 @@ def _serve(state: ServiceState, world: World, settings: Settings, spec: ServiceS
         deployment=kept.live.deployment,
         new_revision=acted.new_revision,
         scaling=kept.scaling,
+        scaled=scaled,
         updates=_updates(done, sized, acted, kept) | _node_gpu(state, known),
         members=kept.members,
         groups=workload.groups,

@@ -27,7 +27,7 @@ from rankguard_operator.core.status.engine import EngineView, engine_status, wit
 from rankguard_operator.core.status.groups import group_figures
 from rankguard_operator.core.status.hold import hold
 from rankguard_operator.core.status.patch import merged_status, status_patch
-from rankguard_operator.core.status.scale import as_of_scale, scale_status, scaled_only, spec_key
+from rankguard_operator.core.status.scale import as_of_scale, scale_status, spec_key
 from rankguard_operator.core.status.service_state import ServiceState
 from rankguard_operator.core.step import surroundings
 from rankguard_operator.core.step.observed import Observed
@@ -58,6 +58,7 @@ class Findings:
     members: Mapping[str, Any] | None = None  # status.groups, when multi-node
     groups: Groups | None = None  # a multi-node service's groups as seen this pass (status.groupFigures)
     scaling: bool | None = None  # the pass moves the template (False), only the replicas (True), or neither
+    scaled: bool = False  # this generation changed spec.replicas alone (core/status/scale.scaled_only)
 
 
 def report(
@@ -140,9 +141,8 @@ def _status(state: ServiceState, world: World, found: Findings) -> dict[str, Any
         terminations=seen.terminations,
     )
     # a scale (spec.replicas alone) is no edit: what was said of the spec before holds after it
-    scaled = scaled_only(state.raw, world.generation, world.spec)
     status = build_status(
-        old=as_of_scale(state.raw, world.generation) if scaled else state.raw,
+        old=as_of_scale(state.raw, world.generation) if found.scaled else state.raw,
         spec=spec,
         generation=world.generation,
         now_iso=now,
