@@ -176,7 +176,7 @@ def aggregate(reports: Sequence[ReportInput], now: float, stale_after: float) ->
         fresh_pods=tuple(pod for pod, _report, why in read if why is None),
         stale_pods=tuple(pod for pod, _report, why in read if why is not None),
         measurements=_probe_measurements(fresh),
-        kv_cache_bytes=_lowest_kv_cache(fresh),
+        kv_cache_bytes=_int_or_none(_lowest_kv_line(fresh, AVAILABLE_KV)),
         kv_cache_tokens=_int_or_none(_lowest_kv_line(fresh, KV_TOKENS)),
         kv_max_concurrency=_lowest_kv_line(fresh, MAX_CONCURRENCY),
         # pods of one template run one image: the lowest version reported, for determinism
@@ -246,17 +246,10 @@ def _probe_measurements(fresh: Sequence[Report]) -> tuple[RankMeasurement, ...]:
     )
 
 
-def _lowest_kv_cache(fresh: Sequence[Report]) -> int | None:
-    """vLLM's "Available KV cache memory" as the engines printed it: the lowest over fresh pods."""
-    seen = [
-        int(line.value) for r in fresh for line in r.kv_lines if line.kind == AVAILABLE_KV and line.value > 0
-    ]
-    return min(seen) if seen else None
-
-
 def _lowest_kv_line(fresh: Sequence[Report], kind: str) -> float | None:
-    """One engine figure of `kind` as the engines printed it: the lowest over fresh pods (the
-    replica that holds least is the one a request may land on)."""
+    """One engine figure of `kind` as the engines printed it ("Available KV cache memory", "KV
+    cache size", "Maximum concurrency"): the lowest over fresh pods (the replica that holds
+    least is the one a request may land on)."""
     seen = [line.value for r in fresh for line in r.kv_lines if line.kind == kind and line.value > 0]
     return min(seen) if seen else None
 
